@@ -1,0 +1,220 @@
+"""The on-disk format, in one place: manifest schema, shard names, sample members, array encoding.
+
+Both the packer (`shard_tools`) and the reader (`pipeline`) import this module; any change to what
+is written bumps `SCHEMA_VERSION`.
+
+A dataset is a folder holding `manifest.json` and uncompressed, WebDataset-compatible tar shards
+`<split>-<index:06d>.tar`. Every sample is a run of consecutive tar members `<key>.<ext>`; the
+manifest lists, per shard, its sample count, size, SHA-256 and each sample's key and byte offset
+(the offset of its first member's header; a final entry marks the end of the last sample), so a
+reader can fetch any sample by byte range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from pipeline.errors import ManifestError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "FORMAT",
+    "MANIFEST_NAME",
+    "KIND_MEMBERS",
+    "SA1B_JPG",
+    "SA1B_ANN",
+    "SA1B_RECORD_FIELDS",
+    "ShardInfo",
+    "Manifest",
+    "shard_name",
+    "check_key",
+    "encode_array",
+    "decode_array",
+    "pack_record",
+    "unpack_record",
+    "sha256_file",
+]
+
+SCHEMA_VERSION = 1
+FORMAT = "shardstream"
+MANIFEST_NAME = "manifest.json"
+
+# Member extensions of one sample, per kind, in the order they are written.
+SA1B_JPG = "jpg"
+SA1B_ANN = "msgpack"
+KIND_MEMBERS: dict[str, tuple[str, ...]] = {"sa1b": (SA1B_JPG, SA1B_ANN)}
+
+# The SA-1B annotation record (msgpack map). Geometry is in the original image frame
+# (`image.width` x `image.height`), whatever size the stored JPEG has (`stored_size`).
+SA1B_RECORD_FIELDS = (
+    "image",  # {"image_id": int, "width": int, "height": int, "file_name": str}
+    "stored_size",  # [height, width] of the stored JPEG
+    "counts",  # list of bytes: COCO compressed RLE strings, one per mask, size = [height, width]
+    "ids",  # int64 (N,)
+    "bbox",  # float64 (N, 4) XYWH
+    "area",  # float64 (N,)
+    "predicted_iou",  # float64 (N,)
+    "stability_score",  # float64 (N,)
+    "point_coords",  # float64 (P, 2): all masks' points, concatenated
+    "point_counts",  # uint32 (N,): points per mask
+    "crop_box",  # float64 (N, 4) XYWH
+)
+
+_KEY_RE = re.compile(r"[A-Za-z0-9_\-]{1,80}")
+_ARRAY_DTYPES = frozenset({"|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8", "|b1"})
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:06d}.tar"
+
+
+def check_key(key: str) -> str:
+    """Keys are flat names (letters, digits, `_`, `-`; at most 80): safe in tar, URLs and file systems."""
+    if not _KEY_RE.fullmatch(key):
+        raise ValueError(f"invalid sample key {key!r}: allowed are 1-80 of [A-Za-z0-9_-]")
+    return key
+
+
+def encode_array(array: np.ndarray) -> dict[str, Any]:
+    """A numpy array as a plain msgpack map (dtype, shape, little-endian bytes): no pickle, no ext types."""
+    array = np.ascontiguousarray(array)
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    if dtype.str not in _ARRAY_DTYPES:
+        raise ValueError(f"dtype {array.dtype} cannot be stored; allowed: {sorted(_ARRAY_DTYPES)}")
+    return {"dtype": dtype.str, "shape": list(array.shape), "data": array.astype(dtype, copy=False).tobytes()}
+
+
+def decode_array(obj: Any) -> np.ndarray:
+    """Inverse of `encode_array`; raises ValueError on anything that is not exactly such a map."""
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
+        raise ValueError("not an encoded array (want a map with dtype, shape, data)")
+    dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
+    if dtype not in _ARRAY_DTYPES:
+        raise ValueError(f"array dtype {dtype!r} not allowed")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"invalid array shape {shape!r}")
+    if not isinstance(data, bytes) or len(data) != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
+        raise ValueError(f"array data does not match dtype {dtype} and shape {shape}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def pack_record(record: Mapping[str, Any]) -> bytes:
+    return msgpack.packb(record, use_bin_type=True)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def unpack_record(data: bytes) -> dict[str, Any]:
+    """Unpack a msgpack map; every length is bounded by the input size and extension types are refused."""
+    obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)  # lengths capped at len(data)
+    if not isinstance(obj, dict):
+        raise ValueError(f"record is a {type(obj).__name__}, want a map")
+    return obj
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    bytes: int
+    sha256: str
+    keys: tuple[str, ...]
+    offsets: tuple[int, ...]  # len(keys) + 1: each sample's first header, then the end of the last sample
+
+    @property
+    def samples(self) -> int:
+        return len(self.keys)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "samples": self.samples,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "keys": list(self.keys),
+            "offsets": list(self.offsets),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, url: str) -> ShardInfo:
+        try:
+            shard = cls(obj["name"], obj["bytes"], obj["sha256"], tuple(obj["keys"]), tuple(obj["offsets"]))
+            ok = (
+                obj["samples"] == len(shard.keys)
+                and len(shard.offsets) == len(shard.keys) + 1
+                and all(isinstance(o, int) for o in shard.offsets)
+                and list(shard.offsets) == sorted(shard.offsets)
+                and (not shard.offsets or 0 <= shard.offsets[0] and shard.offsets[-1] <= shard.bytes)
+            )
+        except (KeyError, TypeError) as exc:
+            raise ManifestError(url, f"invalid shard entry: {exc!r}") from exc
+        if not ok or re.fullmatch(r"[A-Za-z0-9_\-]+\.tar", str(shard.name)) is None:
+            raise ManifestError(url, f"inconsistent shard entry {obj.get('name')!r}")
+        return shard
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    kind: str
+    splits: Mapping[str, Sequence[ShardInfo]]
+    options: Mapping[str, Any]  # the packing options that shaped the shards
+    fingerprint: str  # of the input listing and options: a resumed pack must match it
+    skipped: Sequence[Mapping[str, str]] = ()  # {"source", "key", "reason"} per skipped input sample
+
+    def samples(self, split: str) -> int:
+        return sum(s.samples for s in self.splits[split])
+
+    def to_json(self) -> bytes:
+        obj = {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "kind": self.kind,
+            "fingerprint": self.fingerprint,
+            "options": dict(self.options),
+            "splits": {
+                name: {"samples": self.samples(name), "shards": [s.to_json() for s in shards]}
+                for name, shards in sorted(self.splits.items())
+            },
+            "skipped": [dict(s) for s in self.skipped],
+        }
+        return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, url: str) -> Manifest:
+        try:
+            obj = json.loads(data)
+        except ValueError as exc:
+            raise ManifestError(url, f"not valid JSON: {exc}") from exc
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+            raise ManifestError(url, f"not a {FORMAT} manifest")
+        if obj.get("schema_version") != SCHEMA_VERSION:
+            raise ManifestError(
+                url, f"schema version {obj.get('schema_version')!r}; this version reads {SCHEMA_VERSION}"
+            )
+        if obj.get("kind") not in KIND_MEMBERS:
+            raise ManifestError(url, f"unknown kind {obj.get('kind')!r}; known: {sorted(KIND_MEMBERS)}")
+        try:
+            splits = {
+                name: tuple(ShardInfo.from_json(s, url) for s in split["shards"])
+                for name, split in obj["splits"].items()
+            }
+            return cls(obj["kind"], splits, obj["options"], obj["fingerprint"], tuple(obj["skipped"]))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ManifestError(url, f"invalid manifest: {exc!r}") from exc

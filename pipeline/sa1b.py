@@ -1,0 +1,245 @@
+"""SA-1B on the reading side: sample decoding (image + sampled masks), collation, batch checks.
+
+Geometry: for an original image H0 x W0, the image frame is `fit(H0, W0, image_size)` and the
+mask frame `fit(H0, W0, mask_size)` (or the image frame when `mask_size` is None). Both are
+computed from the original size, so a JPEG stored smaller at pack time (`--image-max-side`) lands
+in the same frame as its masks, which always keep their original RLE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack.exceptions
+import numpy as np
+import torch
+from PIL import Image
+
+from pipeline.errors import SampleError
+from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_RECORD_FIELDS, decode_array, unpack_record
+from pipeline.rle import RLEError, fit, raster
+
+__all__ = ["Sa1bOptions", "decode_sample", "collate", "check_batch", "BATCH_FIELDS", "MAX_IMAGE_PIXELS"]
+
+MAX_IMAGE_PIXELS = 1 << 28  # 16k x 16k: larger JPEGs are refused (decompression bombs)
+_MASKS = 3  # SeedSequence purpose, beside the plan's
+
+BATCH_FIELDS = {
+    "images": torch.uint8,
+    "masks": torch.bool,
+    "mask_counts": torch.int64,
+    "boxes": torch.float32,
+    "points": torch.float32,
+    "areas": torch.float32,
+    "predicted_ious": torch.float32,
+    "stability_scores": torch.float32,
+    "image_ids": torch.int64,
+    "original_sizes": torch.int64,
+    "image_sizes": torch.int64,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sa1bOptions:
+    """How SA-1B samples are decoded: image and mask frames (long side, pixels), masks per image."""
+
+    image_size: int = 1024
+    mask_size: int | None = 256
+    max_masks: int | Callable[[int], int] = 64  # or a function of the epoch (curriculum)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.image_size, int) or self.image_size < 1:
+            raise ValueError(f"image_size must be a positive int, got {self.image_size!r}")
+        if self.mask_size is not None and (not isinstance(self.mask_size, int) or self.mask_size < 1):
+            raise ValueError(f"mask_size must be a positive int or None, got {self.mask_size!r}")
+        if not callable(self.max_masks):
+            self.masks_for(0)
+
+    def masks_for(self, epoch: int) -> int:
+        value = self.max_masks(epoch) if callable(self.max_masks) else self.max_masks
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"max_masks must be an int >= 0 (or a function of the epoch giving one), got {value!r}")
+        return value
+
+    @property
+    def mask_frame(self) -> int:
+        return self.mask_size if self.mask_size is not None else self.image_size
+
+
+def _array(record: dict[str, Any], name: str, shape: tuple[int, ...], url: str, key: str) -> np.ndarray:
+    try:
+        array = decode_array(record[name])
+    except ValueError as exc:
+        raise SampleError(url, key, name, str(exc)) from exc
+    if array.shape != shape:
+        raise SampleError(url, key, name, f"shape {array.shape}, expected {shape}")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise SampleError(url, key, name, "NaN or infinite value")
+    return array
+
+
+def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.ndarray:
+    """Indices of the masks a sample uses this epoch: all if few, else a sorted random subset."""
+    if count <= limit:
+        return np.arange(count)
+    key_entropy = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "little")
+    rng = np.random.default_rng([seed, epoch, _MASKS, key_entropy])
+    return np.sort(rng.choice(count, limit, replace=False))
+
+
+def decode_image(data: bytes, frame: tuple[int, int], url: str, key: str) -> np.ndarray:
+    """The JPEG as (h, w, 3) uint8 at `frame`, decoded at the smallest libjpeg scale that covers it."""
+    height, width = frame
+    try:
+        with Image.open(io.BytesIO(data), formats=["JPEG"]) as image:
+            if image.width * image.height > MAX_IMAGE_PIXELS:
+                raise SampleError(url, key, SA1B_JPG, f"{image.width}x{image.height} pixels exceed the cap {MAX_IMAGE_PIXELS}")
+            image.draft("RGB", (width, height))
+            image = image.convert("RGB")
+            if image.size != (width, height):
+                image = image.resize((width, height), Image.Resampling.BILINEAR)
+            return np.array(image)
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
+        raise SampleError(url, key, SA1B_JPG, f"cannot decode JPEG: {exc}") from exc
+
+
+def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, seed: int, epoch: int, url: str, key: str) -> dict[str, Any]:
+    """One SA-1B sample: image in its frame, up to `max_masks` masks chosen before any is decoded."""
+    if set(members) != {SA1B_JPG, SA1B_ANN}:
+        raise SampleError(url, key, None, f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_ANN]}")
+    try:
+        record = unpack_record(members[SA1B_ANN])
+    except (ValueError, msgpack.exceptions.UnpackException) as exc:
+        raise SampleError(url, key, SA1B_ANN, f"cannot unpack: {exc}") from exc
+    if set(record) != set(SA1B_RECORD_FIELDS):
+        raise SampleError(url, key, SA1B_ANN, f"fields {sorted(record)}, expected {sorted(SA1B_RECORD_FIELDS)}")
+    info, counts = record["image"], record["counts"]
+    try:
+        image_id, height, width = int(info["image_id"]), int(info["height"]), int(info["width"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SampleError(url, key, "image", f"invalid image info {info!r}") from exc
+    if height < 1 or width < 1 or height * width > MAX_IMAGE_PIXELS:
+        raise SampleError(url, key, "image", f"invalid size {height}x{width}")
+    if not isinstance(counts, list) or not all(isinstance(c, bytes) for c in counts):
+        raise SampleError(url, key, "counts", "expected a list of byte strings")
+    n = len(counts)
+    point_counts = _array(record, "point_counts", (n,), url, key)
+    columns = {
+        name: _array(record, name, shape, url, key)
+        for name, shape in [
+            ("bbox", (n, 4)), ("area", (n,)), ("predicted_iou", (n,)), ("stability_score", (n,)),
+            ("point_coords", (int(point_counts.sum()), 2)),
+        ]
+    }
+    if n and point_counts.min() < 1:
+        raise SampleError(url, key, "point_counts", "every mask needs at least one point")
+
+    chosen = choose_masks(n, options.masks_for(epoch), seed, epoch, key)
+    frame = fit(height, width, options.image_size)
+    mask_frame = frame if options.mask_size is None else fit(height, width, options.mask_size)
+    image = decode_image(members[SA1B_JPG], frame, url, key)
+    try:
+        masks = raster([counts[i] for i in chosen], (height, width), mask_frame)
+    except RLEError as exc:
+        raise SampleError(url, key, "counts", f"mask {int(chosen[exc.index])}: {exc}") from exc
+
+    (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
+    x, y, bw, bh = columns["bbox"][chosen].T
+    first_point = np.cumsum(point_counts) - point_counts
+    return {
+        "key": key,
+        "image": image,
+        "masks": masks,
+        "boxes": np.clip(np.stack([x * sx, y * sy, (x + bw) * sx, (y + bh) * sy], 1), 0, (w, h, w, h)),
+        "points": np.clip(columns["point_coords"][first_point[chosen]] * (sx, sy), 0, (w, h)),
+        "areas": columns["area"][chosen] * (sx * sy),
+        "predicted_ious": columns["predicted_iou"][chosen],
+        "stability_scores": columns["stability_score"][chosen],
+        "image_id": image_id,
+        "original_size": (height, width),
+        "image_size": frame,
+    }
+
+
+def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str, Any]:
+    """A batch: square images and masks padded with zeros; per-mask columns padded to the largest count."""
+    b, s, m = len(samples), options.image_size, options.mask_frame
+    n = max(len(x["masks"]) for x in samples)
+    batch: dict[str, Any] = {
+        "images": torch.zeros(b, 3, s, s, dtype=torch.uint8),
+        "masks": torch.zeros(b, n, m, m, dtype=torch.bool),
+        "mask_counts": torch.tensor([len(x["masks"]) for x in samples], dtype=torch.int64),
+        "boxes": torch.zeros(b, n, 4),
+        "points": torch.zeros(b, n, 2),
+        "areas": torch.zeros(b, n),
+        "predicted_ious": torch.zeros(b, n),
+        "stability_scores": torch.zeros(b, n),
+        "image_ids": torch.tensor([x["image_id"] for x in samples], dtype=torch.int64),
+        "original_sizes": torch.tensor([x["original_size"] for x in samples], dtype=torch.int64),
+        "image_sizes": torch.tensor([x["image_size"] for x in samples], dtype=torch.int64),
+        "keys": [x["key"] for x in samples],
+    }
+    for i, x in enumerate(samples):
+        h, w, _ = x["image"].shape
+        batch["images"][i, :, :h, :w] = torch.from_numpy(x["image"]).permute(2, 0, 1)
+        c, mh, mw = x["masks"].shape
+        batch["masks"][i, :c, :mh, :mw] = torch.from_numpy(x["masks"])
+        for name in ("boxes", "points", "areas", "predicted_ious", "stability_scores"):
+            batch[name][i, :c] = torch.from_numpy(np.asarray(x[name], dtype=np.float32))
+    return batch
+
+
+def check_batch(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list[str]:
+    """What is wrong with a collated batch (empty if nothing): keys, shapes, dtypes, values, padding."""
+    problems = []
+    expected = set(BATCH_FIELDS) | {"keys"}
+    if set(batch) != expected:
+        return [f"keys {sorted(batch)}, expected {sorted(expected)}"]
+    for name, dtype in BATCH_FIELDS.items():
+        if batch[name].dtype != dtype:
+            problems.append(f"{name}: dtype {batch[name].dtype}, expected {dtype}")
+    b, s, m = len(batch["keys"]), options.image_size, options.mask_frame
+    n = batch["masks"].shape[1] if batch["masks"].dim() == 4 else -1
+    shapes = {
+        "images": (b, 3, s, s), "masks": (b, n, m, m), "mask_counts": (b,), "boxes": (b, n, 4), "points": (b, n, 2),
+        "areas": (b, n), "predicted_ious": (b, n), "stability_scores": (b, n), "image_ids": (b,),
+        "original_sizes": (b, 2), "image_sizes": (b, 2),
+    }
+    for name, shape in shapes.items():
+        if tuple(batch[name].shape) != shape:
+            problems.append(f"{name}: shape {tuple(batch[name].shape)}, expected {shape}")
+    if problems:
+        return problems
+    for name in ("boxes", "points", "areas", "predicted_ious", "stability_scores"):
+        if not torch.isfinite(batch[name]).all():
+            problems.append(f"{name}: NaN or infinite values")
+    counts, limit = batch["mask_counts"].cpu(), options.masks_for(epoch)
+    if counts.numel() and (counts.min() < 0 or counts.max() > min(limit, n)):
+        problems.append(f"mask_counts: {counts.tolist()} outside [0, min(max_masks={limit}, {n})]")
+        return problems
+    valid = (torch.arange(n)[None, :] < counts[:, None]).to(batch["masks"].device)
+    sizes = batch["image_sizes"]
+    if (sizes < 1).any() or (sizes > s).any():
+        problems.append(f"image_sizes: {sizes.tolist()} outside [1, {s}]")
+    frame = sizes.flip(1).repeat(1, 2)[:, None, :].to(batch["boxes"])  # (w, h, w, h) per image
+    boxes = batch["boxes"]
+    if ((boxes < 0) | (boxes > frame)).any() or (boxes[..., 2:] < boxes[..., :2]).any():
+        problems.append("boxes: outside the image frame or with x1 < x0 / y1 < y0")
+    if ((batch["points"] < 0) | (batch["points"] > frame[..., :2])).any():
+        problems.append("points: outside the image frame")
+    for name in ("predicted_ious", "stability_scores"):
+        if ((batch[name] < 0) | (batch[name] > 1)).any():
+            problems.append(f"{name}: values outside [0, 1]")
+    if (batch["areas"] < 0).any():
+        problems.append("areas: negative values")
+    for name in ("boxes", "points", "areas", "predicted_ious", "stability_scores"):
+        pad = ~valid.reshape(valid.shape + (1,) * (batch[name].dim() - 2))
+        if (batch[name] * pad).any():
+            problems.append(f"{name}: non-zero padding beyond mask_counts")
+    if batch["masks"][~valid].any():
+        problems.append("masks: non-zero padding beyond mask_counts")
+    return problems

@@ -1,0 +1,48 @@
+"""All reads go through here (fsspec: local paths and URLs alike)."""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from pipeline.errors import ManifestError, ShardError
+from pipeline.format import MANIFEST_NAME, Manifest
+
+__all__ = ["join", "filesystem", "read_manifest", "read_range"]
+
+
+def join(root: str, name: str) -> str:
+    return posixpath.join(root.rstrip("/"), name)
+
+
+def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of a URL; call it in the process that reads (filesystems are not fork-safe)."""
+    return url_to_fs(url, **(storage_options or {}))
+
+
+def read_manifest(root: str, storage_options: dict[str, Any] | None = None) -> Manifest:
+    url = join(root, MANIFEST_NAME)
+    fs, path = filesystem(url, storage_options)
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError as exc:
+        raise ManifestError(url, "no manifest: is this a folder written by `shard-pack`?") from exc
+    except OSError as exc:
+        raise ManifestError(url, f"cannot read manifest: {exc}") from exc
+    return Manifest.from_json(data, url)
+
+
+def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a shard; a missing file or a short read is a ShardError."""
+    try:
+        data = fs.cat_file(path, start=start, end=end)
+    except FileNotFoundError as exc:
+        raise ShardError(url, "shard is missing") from exc
+    except OSError as exc:
+        raise ShardError(url, f"cannot read bytes {start}-{end}: {exc}") from exc
+    if len(data) != end - start:
+        raise ShardError(url, f"truncated: bytes {start}-{end} gave {len(data)} bytes")
+    return data

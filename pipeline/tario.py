@@ -1,0 +1,108 @@
+"""Tar shards: a deterministic writer and a strict reader of one sample's byte range.
+
+Kind-agnostic. Shards are plain USTAR archives (readable by `tar`, `tarfile` and `webdataset`);
+each sample is consecutive members `<key>.<ext>`. The reader accepts only what the writer makes:
+regular files with flat, safe names, checked header checksums and sizes inside the range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+from collections.abc import Sequence
+
+from pipeline.errors import ShardError
+from pipeline.format import check_key
+
+__all__ = ["BLOCK", "ShardWriter", "parse_sample"]
+
+BLOCK = 512
+_END = b"\0" * (2 * BLOCK)
+_EXT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.")
+
+
+def _header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, 0
+    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
+
+
+class ShardWriter:
+    """Writes one shard to `<path>.partial` and renames it to `path` on `close()`: never a partial shard."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.partial = path, path + ".partial"
+        self._file = open(self.partial, "wb")
+        self._sha = hashlib.sha256()
+        self.keys: list[str] = []
+        self.offsets: list[int] = []
+        self.size = 0
+
+    def _write(self, data: bytes) -> None:
+        self._file.write(data)
+        self._sha.update(data)
+        self.size += len(data)
+
+    def add(self, key: str, members: Sequence[tuple[str, bytes]]) -> None:
+        check_key(key)
+        self.keys.append(key)
+        self.offsets.append(self.size)
+        for ext, data in members:
+            if not ext or not set(ext) <= _EXT_CHARS:
+                raise ValueError(f"invalid member extension {ext!r}")
+            self._write(_header(f"{key}.{ext}", len(data)))
+            self._write(data)
+            self._write(b"\0" * (-len(data) % BLOCK))
+
+    def close(self) -> str:
+        """Finish the archive, flush it to disk, rename it into place; returns its SHA-256."""
+        self.offsets.append(self.size)
+        self._write(_END)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.partial, self.path)
+        return self._sha.hexdigest()
+
+    def abort(self) -> None:
+        self._file.close()
+        os.unlink(self.partial)
+
+
+def _octal(field: bytes) -> int:
+    text = field.rstrip(b"\0 ").lstrip(b" ")
+    if not text or not text.isdigit() or b"8" in text or b"9" in text:
+        raise ValueError(f"bad octal field {field!r}")
+    return int(text, 8)
+
+
+def parse_sample(data: bytes, url: str, key: str, *, max_member_bytes: int = 1 << 30) -> dict[str, bytes]:
+    """The members `{ext: bytes}` of one sample, from the exact byte range the manifest gives for it."""
+    members: dict[str, bytes] = {}
+    view = memoryview(data)
+    pos = 0
+    while pos < len(data):
+        header = bytes(view[pos : pos + BLOCK])
+        if len(header) < BLOCK:
+            raise ShardError(url, f"sample {key!r}: truncated tar header at byte {pos}")
+        try:
+            checksum = _octal(header[148:156])
+            size = _octal(header[124:136])
+        except ValueError as exc:
+            raise ShardError(url, f"sample {key!r}: invalid tar header at byte {pos}: {exc}") from exc
+        if checksum != sum(header[:148]) + 256 + sum(header[156:]):
+            raise ShardError(url, f"sample {key!r}: tar header checksum mismatch at byte {pos}")
+        if header[156:157] not in (b"0", b"\0"):
+            raise ShardError(url, f"sample {key!r}: member type {header[156:157]!r} is not a regular file")
+        name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
+        member_key, _, ext = name.partition(".")
+        if header[345:500].strip(b"\0") or member_key != key or not ext or not set(ext) <= _EXT_CHARS:
+            raise ShardError(url, f"sample {key!r}: unexpected member name {name!r}")
+        if size > max_member_bytes or pos + BLOCK + size > len(data):
+            raise ShardError(url, f"sample {key!r}: member {name!r} claims {size} bytes, beyond the sample's range")
+        if ext in members:
+            raise ShardError(url, f"sample {key!r}: duplicate member {name!r}")
+        members[ext] = bytes(view[pos + BLOCK : pos + BLOCK + size])
+        pos += BLOCK + size + (-size % BLOCK)
+    return members

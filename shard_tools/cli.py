@@ -1,0 +1,87 @@
+"""`shard-pack`: pack datasets into shards (`sa1b`), and read them back (`inspect`, `verify`).
+
+Exit codes: 0 done; 1 the data has problems (too many skipped inputs, `verify` findings);
+2 the command cannot run as asked (bad arguments, output folder holding something else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+from pipeline.errors import ShardstreamError
+from pipeline.storage import read_manifest
+from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits
+from shard_tools.sa1b import Sa1bSource
+from shard_tools.verify import describe, verify
+
+__all__ = ["main"]
+
+log = logging.getLogger("shard-pack")
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def _size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 500MB, 1GiB or a number of bytes")
+    return int(float(match[1]) * _UNITS[match[2] or ""])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shard-pack", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("sa1b", help="pack SA-1B (.tar archives and/or folders of sa_<id>.jpg + sa_<id>.json)")
+    p.add_argument("sources", nargs="+", metavar="SRC", help="SA-1B .tar archives or folders")
+    p.add_argument("out", metavar="OUT", help="output folder (new or empty, or an interrupted pack of the same input)")
+    p.add_argument("--shard-samples", type=int, default=1000, help="at most this many samples per shard (1000)")
+    p.add_argument("--shard-bytes", type=_size, default="1GiB", help="at most this much input per shard (1GiB)")
+    p.add_argument("--split", default="train=1", help="split fractions by key hash, e.g. train=0.99,val=0.01")
+    p.add_argument("--image-max-side", type=int, help="re-encode larger JPEGs to this long side (masks stay exact)")
+    p.add_argument("--jpeg-quality", type=int, default=90, help="quality of re-encoded JPEGs (90)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
+    p.add_argument("--max-skipped", type=int, default=10, help="fail when more input samples are bad (10)")
+
+    for name, text in (("inspect", "print a dataset's manifest summary"),
+                       ("verify", "check every shard's checksum and decode every sample")):
+        sub.add_parser(name, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        if args.command == "sa1b":
+            options = PackOptions(args.shard_samples, args.shard_bytes, parse_splits(args.split), args.workers,
+                                  args.max_skipped)
+            source = Sa1bSource(args.image_max_side, args.jpeg_quality)
+            summary = pack(source, args.sources, args.out, options, progress=not args.quiet)
+            for skip in summary.skip_list[:20]:
+                log.warning("skipped %s", skip["reason"])
+            print("\n".join(summary.lines()))
+        elif args.command == "inspect":
+            print("\n".join(describe(read_manifest(args.out), args.out)))
+        else:
+            problems = verify(args.out, progress=not args.quiet)
+            for problem in problems:
+                print(problem)
+            print(f"verify: {len(problems)} problems" if problems else "verify: OK")
+            return 1 if problems else 0
+    except TooManySkipped as exc:
+        log.error("shard-pack: %s", exc)
+        return 1
+    except (PackError, ShardstreamError, ValueError, FileNotFoundError) as exc:
+        log.error("shard-pack: %s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

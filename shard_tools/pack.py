@@ -1,0 +1,350 @@
+"""The packing driver, kind-agnostic: input listing -> split -> shard tasks -> shards -> manifest.
+
+Each shard task is a pure function of a fixed, sorted slice of the input, so the output is
+byte-identical whatever the number of processes, and a task run twice writes the same bytes.
+Shards are written under `.partial` names and renamed; each finished task leaves a record in
+`OUT/_pack/`, so an interrupted run started again with the same arguments only does the rest.
+The manifest is written last (atomically) and lists only finished shards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from tqdm import tqdm
+
+from pipeline.errors import SampleError
+from pipeline.format import MANIFEST_NAME, Manifest, ShardInfo, shard_name
+from pipeline.tario import ShardWriter
+
+__all__ = [
+    "Part", "SampleRef", "PackOptions", "PackSummary", "PackError", "TooManySkipped", "Source", "pack", "parse_splits",
+    "split_of",
+]
+
+log = logging.getLogger(__name__)
+STATE_DIR = "_pack"
+
+
+class PackError(Exception):
+    """Packing cannot proceed: the output folder holds something else, or the input cannot be listed."""
+
+
+class TooManySkipped(PackError):
+    """More input samples were bad than `max_skipped` allows; no manifest was written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One input file, or one member of an input archive: where its bytes are and how to name it."""
+
+    url: str  # the file or archive holding the bytes
+    offset: int
+    size: int
+    name: str  # for messages and the manifest: "sa_000000.tar:sa_1.jpg" or "images/sa_1.jpg"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRef:
+    key: str
+    parts: tuple[tuple[str, Part], ...]  # (role, part), e.g. ("jpg", ...), ("json", ...)
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for _, p in self.parts)
+
+
+class Source(Protocol):
+    """What a kind provides to the driver (see shard_tools.sa1b)."""
+
+    kind: str
+
+    def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]: ...
+
+    def encode(self, ref: SampleRef) -> tuple[list[tuple[str, bytes]], dict[str, int]]: ...
+
+    def options(self) -> dict[str, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PackOptions:
+    """Kind-independent packing settings."""
+
+    shard_samples: int = 1000
+    shard_bytes: int = 1 << 30  # of input: the shard on disk is about that or smaller
+    splits: tuple[tuple[str, float], ...] = (("train", 1.0),)
+    workers: int = 1
+    max_skipped: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("shard_samples", "shard_bytes", "workers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.max_skipped, int) or self.max_skipped < 0:
+            raise ValueError(f"max_skipped must be an int >= 0, got {self.max_skipped!r}")
+        names = [n for n, _ in self.splits]
+        if not self.splits or len(set(names)) != len(names) or any(not n.isidentifier() for n in names):
+            raise ValueError(f"split names must be distinct identifiers, got {names}")
+        if any(f <= 0 for _, f in self.splits) or abs(sum(f for _, f in self.splits) - 1) > 1e-9:
+            raise ValueError(f"split fractions must be > 0 and sum to 1, got {dict(self.splits)}")
+
+
+def parse_splits(text: str) -> tuple[tuple[str, float], ...]:
+    """'train=0.99,val=0.01' -> (("train", 0.99), ("val", 0.01))."""
+    try:
+        pairs = [item.split("=") for item in text.split(",")]
+        return tuple((name.strip(), float(value)) for name, value in pairs)
+    except ValueError as exc:
+        raise ValueError(f"invalid split spec {text!r}: want name=fraction[,name=fraction...]") from exc
+
+
+def split_of(key: str, splits: Sequence[tuple[str, float]]) -> str:
+    """The split a key belongs to: a fixed hash of the key against the cumulative fractions."""
+    u = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
+    bound = 0.0
+    for name, fraction in splits:
+        bound += fraction
+        if u < bound:
+            return name
+    return splits[-1][0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    split: str
+    index: int
+    refs: tuple[SampleRef, ...]
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.split, self.index)
+
+
+def _plan(refs: Sequence[SampleRef], options: PackOptions) -> list[_Task]:
+    """Consecutive runs of each split's sorted samples, cut at `shard_samples` or `shard_bytes` of input."""
+    by_split: dict[str, list[SampleRef]] = {name: [] for name, _ in options.splits}
+    for ref in refs:
+        by_split[split_of(ref.key, options.splits)].append(ref)
+    tasks = []
+    for split, members in by_split.items():
+        chunks: list[list[SampleRef]] = []
+        size = 0
+        for ref in members:
+            if not chunks or len(chunks[-1]) == options.shard_samples or size + ref.size > options.shard_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(ref)
+            size += ref.size
+        tasks += [_Task(split, i, tuple(chunk)) for i, chunk in enumerate(chunks)]
+    return tasks
+
+
+def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
+    """Write one shard; bad samples are skipped and reported. Pure in its inputs: same bytes every time."""
+    writer = ShardWriter(os.path.join(out, task.name))
+    skipped, counts = [], {"samples": 0}
+    try:
+        for ref in task.refs:
+            try:
+                members, stats = source.encode(ref)
+            except SampleError as exc:
+                skipped.append({"source": exc.url, "key": ref.key, "reason": str(exc)})
+                continue
+            writer.add(ref.key, members)
+            counts["samples"] += 1
+            for name, value in stats.items():
+                counts[name] = counts.get(name, 0) + value
+        sha = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    info = ShardInfo(task.name, writer.size, sha, tuple(writer.keys), tuple(writer.offsets))
+    record = {"shard": info.to_json(), "skipped": skipped, "counts": counts, "split": task.split}
+    _write_atomic(os.path.join(out, STATE_DIR, task.name + ".json"), json.dumps(record).encode())
+    return record
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    with open(path + ".partial", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".partial", path)
+
+
+@dataclasses.dataclass
+class PackSummary:
+    samples: int = 0
+    shards: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    reused: int = 0  # shards finished by an earlier, interrupted run
+    seconds: float = 0.0
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)  # kind-specific, e.g. masks
+    skip_list: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        extra = "".join(f", {v} {k}" for k, v in sorted(self.counts.items()) if k != "samples")
+        rate = self.samples / self.seconds if self.seconds else 0.0
+        return [
+            f"packed {self.samples} samples{extra} into {self.shards} shards, {self.bytes / 1e6:.1f} MB "
+            f"({self.reused} shards reused from an interrupted run)",
+            f"skipped {self.skipped}; {self.seconds:.1f} s, {rate:.1f} samples/s",
+        ]
+
+
+class _Progress:
+    """A tqdm bar on a terminal; otherwise a plain log line at most every `every` seconds."""
+
+    def __init__(self, total: int, enabled: bool, every: float = 10.0) -> None:
+        self.total, self.done, self.every = total, 0, every
+        self.start = self.last = time.monotonic()
+        tty = enabled and sys.stderr.isatty()
+        self.bar = tqdm(total=total, unit="img", smoothing=0.1, dynamic_ncols=True) if tty else None
+        self.enabled = enabled
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.monotonic()
+        if self.enabled and (now - self.last >= self.every or self.done == self.total):
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            eta = (self.total - self.done) / rate if rate else float("inf")
+            log.info("packed %d/%d samples (%.1f/s, ETA %.0f s)", self.done, self.total, rate, eta)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fingerprint(kind: str, options: dict[str, Any], refs: Iterable[SampleRef]) -> str:
+    digest = hashlib.sha256(json.dumps([kind, options], sort_keys=True).encode())
+    for ref in refs:
+        digest.update(json.dumps([ref.key, [(r, p.name, p.size) for r, p in ref.parts]]).encode())
+    return digest.hexdigest()
+
+
+def pack(
+    source: Source,
+    sources: Sequence[str],
+    out: str,
+    options: PackOptions,
+    *,
+    progress: bool = True,
+    on_shard: Callable[[str], None] | None = None,
+) -> PackSummary:
+    """Pack `sources` into shards + manifest at `out`; resumes an interrupted run of the same pack.
+
+    Raises PackError if `out` holds another dataset or an unfinished pack of other inputs, or if
+    more than `options.max_skipped` samples are skipped (the shards are kept and the manifest is
+    not written; run again with a higher limit to finish without redoing them).
+    `on_shard(name)` is called after each shard is finished (the tests interrupt packs with it).
+    """
+    started = time.monotonic()
+    refs, skipped = source.index(sources)
+    stored_options = {
+        "kind_options": source.options(),
+        "shard_samples": options.shard_samples,
+        "shard_bytes": options.shard_bytes,
+        "splits": [list(s) for s in options.splits],
+    }
+    fingerprint = _fingerprint(source.kind, stored_options, refs)
+    state = os.path.join(out, STATE_DIR)
+    manifest_path = os.path.join(out, MANIFEST_NAME)
+    if os.path.exists(manifest_path):
+        with open(manifest_path, "rb") as f:
+            existing = Manifest.from_json(f.read(), manifest_path)
+        if existing.fingerprint != fingerprint:
+            raise PackError(f"{out} already holds a dataset packed from other inputs or options; use a new folder")
+        log.info("%s is already complete (same inputs and options): nothing to do", out)
+        return _summary(existing, 0, time.monotonic() - started)
+    os.makedirs(state, exist_ok=True)
+    stamp = os.path.join(state, "fingerprint")
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read().strip() != fingerprint:
+                raise PackError(f"{out} holds an unfinished pack of other inputs or options; remove it or use a new folder")
+    elif any(name != STATE_DIR for name in os.listdir(out)):
+        raise PackError(f"{out} is not empty and holds no pack of these inputs; use a new or empty folder")
+    else:
+        _write_atomic(stamp, fingerprint.encode())
+
+    tasks = _plan(refs, options)
+    records: dict[str, dict[str, Any]] = {}
+    for task in tasks:
+        record_path = os.path.join(state, task.name + ".json")
+        if os.path.exists(record_path) and os.path.exists(os.path.join(out, task.name)):
+            with open(record_path) as f:
+                records[task.name] = json.load(f)
+    reused = len(records)
+    todo = [t for t in tasks if t.name not in records]
+    log.info("%d samples in %d shards to write (%d already done); %d inputs skipped while listing",
+             sum(len(t.refs) for t in todo), len(todo), reused, len(skipped))
+    bar = _Progress(sum(len(t.refs) for t in todo), progress)
+    try:
+        for task, record in _execute(source, todo, out, options.workers):
+            records[task.name] = record
+            bar.update(len(task.refs))
+            if on_shard is not None:
+                on_shard(task.name)
+    finally:
+        bar.close()
+
+    all_skipped = sorted(skipped + [s for r in records.values() for s in r["skipped"]], key=lambda s: (s["key"], s["source"]))
+    if len(all_skipped) > options.max_skipped:
+        for s in all_skipped[:20]:
+            log.error("skipped %s", s["reason"])
+        raise TooManySkipped(
+            f"{len(all_skipped)} samples skipped, more than --max-skipped {options.max_skipped}; the shards are kept "
+            f"in {out} but no manifest was written (fix the input, or run again with a higher --max-skipped)"
+        )
+    splits = {name: tuple(ShardInfo.from_json(records[t.name]["shard"], out) for t in tasks if t.split == name)
+              for name, _ in options.splits}
+    manifest = Manifest(source.kind, splits, stored_options, fingerprint, tuple(all_skipped))
+    _write_atomic(manifest_path, manifest.to_json())
+    shutil.rmtree(state)
+    counts: dict[str, int] = {}
+    for record in records.values():
+        for name, value in record["counts"].items():
+            counts[name] = counts.get(name, 0) + value
+    summary = _summary(manifest, reused, time.monotonic() - started)
+    summary.counts = counts
+    return summary
+
+
+def _summary(manifest: Manifest, reused: int, seconds: float) -> PackSummary:
+    shards = [s for split in manifest.splits.values() for s in split]
+    return PackSummary(
+        samples=sum(s.samples for s in shards), shards=len(shards), bytes=sum(s.bytes for s in shards),
+        skipped=len(manifest.skipped), reused=reused, seconds=seconds, skip_list=list(manifest.skipped),
+    )
+
+
+def _execute(source: Source, tasks: list[_Task], out: str, workers: int) -> Iterable[tuple[_Task, dict[str, Any]]]:
+    if workers == 1 or len(tasks) <= 1:
+        for task in tasks:
+            yield task, _run_task(source, task, out)
+        return
+    context = multiprocessing.get_context("spawn")  # safe with threads (progress bar) and any library
+    with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context) as pool:
+        futures = {pool.submit(_run_task, source, task, out): task for task in tasks}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                yield futures[future], future.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise

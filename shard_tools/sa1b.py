@@ -1,0 +1,234 @@
+"""SA-1B on the packing side: list `sa_<id>.jpg` + `sa_<id>.json` pairs in archives and folders,
+check each pair, and encode it as the sample members of `pipeline.format` (JPEG + msgpack record).
+
+With `image_max_side`, larger JPEGs are re-encoded to that long side; the annotations keep the
+original geometry and RLE, and the loader maps both into the same frame (see `pipeline.sa1b`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import math
+import posixpath
+import tarfile
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from pipeline.errors import SampleError
+from pipeline.format import SA1B_ANN, SA1B_JPG, check_key, encode_array, pack_record
+from pipeline.rle import RLEError, check, fit
+from pipeline.sa1b import MAX_IMAGE_PIXELS
+from pipeline.storage import filesystem
+from shard_tools.pack import Part, SampleRef
+
+__all__ = ["Sa1bSource"]
+
+log = logging.getLogger(__name__)
+_ROLES = ("jpg", "json")
+
+
+def _member_key(name: str) -> tuple[str, str]:
+    key, _, ext = posixpath.basename(name).partition(".")
+    return key, ext.lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sa1bSource:
+    """SA-1B as released (tar archives and/or folders of jpg/json pairs) -> shard samples."""
+
+    image_max_side: int | None = None
+    jpeg_quality: int = 90
+    kind: str = dataclasses.field(default="sa1b", init=False)
+
+    def __post_init__(self) -> None:
+        if self.image_max_side is not None and (not isinstance(self.image_max_side, int) or self.image_max_side < 16):
+            raise ValueError(f"image_max_side must be an int >= 16 or None, got {self.image_max_side!r}")
+        if not 1 <= self.jpeg_quality <= 95:
+            raise ValueError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
+
+    def options(self) -> dict[str, Any]:
+        return {"image_max_side": self.image_max_side, "jpeg_quality": self.jpeg_quality if self.image_max_side else None}
+
+    # -- listing ---------------------------------------------------------------------------------
+
+    def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
+        """All complete pairs sorted by key, and the inputs skipped (unpaired, duplicate, bad name)."""
+        found: dict[str, dict[str, Part]] = {}
+        skipped: list[dict[str, str]] = []
+        ignored = 0
+        for part_key, role, part in self._parts(sources):
+            if role not in _ROLES:
+                ignored += 1
+                log.debug("ignoring %s: not a .jpg or .json", part.name)
+                continue
+            try:
+                check_key(part_key)
+            except ValueError as exc:
+                skipped.append({"source": part.name, "key": part_key, "reason": f"{part.name}: {exc}"})
+                continue
+            entry = found.setdefault(part_key, {})
+            if role in entry:
+                reason = f"{part.name}: duplicate key {part_key!r} (first seen in {entry[role].name}); kept the first"
+                skipped.append({"source": part.name, "key": part_key, "reason": reason})
+                continue
+            entry[role] = part
+        if ignored:
+            log.warning("ignored %d input files that are neither .jpg nor .json", ignored)
+        refs = []
+        for key in sorted(found):
+            entry = found[key]
+            if set(entry) != set(_ROLES):
+                (role, part), = entry.items()
+                missing = "JSON" if role == "jpg" else "image"
+                skipped.append({"source": part.name, "key": key, "reason": f"{part.name}: no {missing} for key {key!r}"})
+                continue
+            refs.append(SampleRef(key, tuple((role, entry[role]) for role in _ROLES)))
+        return refs, skipped
+
+    def _parts(self, sources: Sequence[str]):  # -> Iterator[tuple[str, str, Part]]
+        for source in sources:
+            fs, path = filesystem(source)
+            if fs.isdir(path):
+                root = posixpath.basename(path.rstrip("/"))
+                for file in sorted(fs.find(path)):
+                    rel = posixpath.join(root, posixpath.relpath(file, path))
+                    if file.endswith(".tar"):
+                        yield from self._archive(fs, file, rel)
+                    else:
+                        key, ext = _member_key(file)
+                        yield key, ext, Part(fs.unstrip_protocol(file), 0, fs.size(file), rel)
+            elif path.endswith(".tar") and fs.isfile(path):
+                yield from self._archive(fs, path, posixpath.basename(path))
+            else:
+                raise FileNotFoundError(f"{source}: not an SA-1B .tar archive or a folder")
+
+    @staticmethod
+    def _archive(fs: Any, path: str, name: str):  # -> Iterator[tuple[str, str, Part]]
+        url = fs.unstrip_protocol(path)
+        try:
+            with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as archive:
+                for member in archive:
+                    if member.isfile():
+                        key, ext = _member_key(member.name)
+                        yield key, ext, Part(url, member.offset_data, member.size, f"{name}:{member.name}")
+        except tarfile.TarError as exc:
+            raise OSError(f"{url}: not a readable tar archive: {exc}") from exc
+
+    # -- encoding --------------------------------------------------------------------------------
+
+    def encode(self, ref: SampleRef) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
+        parts = dict(ref.parts)
+        jpg, meta_bytes = (_read(parts[role]) for role in _ROLES)
+        where = parts["json"].name
+        try:
+            meta = json.loads(meta_bytes)
+        except ValueError as exc:
+            raise SampleError(where, ref.key, "json", f"invalid JSON: {exc}") from exc
+        record, height, width = _record(meta, where, ref.key)
+        where = parts["jpg"].name
+        stored = _check_jpeg(jpg, (height, width), where, ref.key)
+        if self.image_max_side and max(height, width) > self.image_max_side:
+            stored = fit(height, width, self.image_max_side)
+            jpg = _resize_jpeg(jpg, stored, self.jpeg_quality)
+        record["stored_size"] = list(stored)
+        return [(SA1B_JPG, jpg), (SA1B_ANN, pack_record(record))], {"masks": len(record["counts"])}
+
+
+def _read(part: Part) -> bytes:
+    fs, path = filesystem(part.url)
+    return fs.cat_file(path, start=part.offset, end=part.offset + part.size)
+
+
+def _field(obj: Any, name: str, kind: type | tuple[type, ...], where: str, key: str, field: str) -> Any:
+    value = obj.get(name) if isinstance(obj, dict) else None
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise SampleError(where, key, field, f"missing or not {getattr(kind, '__name__', kind)}: {value!r}"[:200])
+    return value
+
+
+def _numbers(value: Any, count: int | None, where: str, key: str, field: str) -> list[float]:
+    ok = isinstance(value, list) and (count is None or len(value) == count)
+    if ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+        return [float(v) for v in value]
+    raise SampleError(where, key, field, f"want {count or 'some'} finite numbers, got {value!r}"[:200])
+
+
+def _record(meta: Any, where: str, key: str) -> tuple[dict[str, Any], int, int]:
+    """Check SA-1B's per-image JSON and turn it into the stored record (RLE counts kept compressed)."""
+    image = _field(meta, "image", dict, where, key, "image")
+    image_id = _field(image, "image_id", int, where, key, "image.image_id")
+    width = _field(image, "width", int, where, key, "image.width")
+    height = _field(image, "height", int, where, key, "image.height")
+    file_name = _field(image, "file_name", str, where, key, "image.file_name")
+    if not (0 < width and 0 < height and width * height <= MAX_IMAGE_PIXELS):
+        raise SampleError(where, key, "image", f"invalid size {width}x{height}")
+    annotations = _field(meta, "annotations", list, where, key, "annotations")
+    columns: dict[str, list[Any]] = {n: [] for n in ("counts", "ids", "bbox", "area", "predicted_iou",
+                                                      "stability_score", "point_coords", "point_counts", "crop_box")}
+    for i, ann in enumerate(annotations):
+        at = f"annotations[{i}]"
+        seg = _field(ann, "segmentation", dict, where, key, f"{at}.segmentation")
+        size = seg.get("size")
+        if size != [height, width]:
+            raise SampleError(where, key, f"{at}.segmentation.size", f"RLE size {size!r} disagrees with the image's [{height}, {width}]")
+        counts = _field(seg, "counts", str, where, key, f"{at}.segmentation.counts")
+        if not counts.isascii():
+            raise SampleError(where, key, f"{at}.segmentation.counts", "not an ASCII COCO RLE string")
+        columns["counts"].append(counts.encode("ascii"))
+        columns["ids"].append(_field(ann, "id", int, where, key, f"{at}.id"))
+        columns["bbox"].append(_numbers(ann.get("bbox"), 4, where, key, f"{at}.bbox"))
+        columns["crop_box"].append(_numbers(ann.get("crop_box"), 4, where, key, f"{at}.crop_box"))
+        for name in ("area", "predicted_iou", "stability_score"):
+            columns[name] += _numbers([ann.get(name)], 1, where, key, f"{at}.{name}")
+        points = ann.get("point_coords")
+        if not isinstance(points, list) or not points:
+            raise SampleError(where, key, f"{at}.point_coords", f"want a non-empty list of [x, y], got {points!r}"[:200])
+        columns["point_coords"] += [_numbers(p, 2, where, key, f"{at}.point_coords") for p in points]
+        columns["point_counts"].append(len(points))
+    try:
+        check(columns["counts"], (height, width))
+    except RLEError as exc:
+        raise SampleError(where, key, f"annotations[{exc.index}].segmentation.counts", f"invalid RLE: {exc}") from exc
+    n = len(annotations)
+    record = {
+        "image": {"image_id": image_id, "width": width, "height": height, "file_name": file_name},
+        "counts": columns["counts"],
+        "ids": encode_array(np.array(columns["ids"], dtype=np.int64)),
+        "bbox": encode_array(np.array(columns["bbox"], dtype=np.float64).reshape(n, 4)),
+        "crop_box": encode_array(np.array(columns["crop_box"], dtype=np.float64).reshape(n, 4)),
+        "point_coords": encode_array(np.array(columns["point_coords"], dtype=np.float64).reshape(-1, 2)),
+        "point_counts": encode_array(np.array(columns["point_counts"], dtype=np.uint32)),
+        **{name: encode_array(np.array(columns[name], dtype=np.float64))
+           for name in ("area", "predicted_iou", "stability_score")},
+    }
+    return record, height, width
+
+
+def _check_jpeg(data: bytes, size: tuple[int, int], where: str, key: str) -> tuple[int, int]:
+    """The JPEG's (height, width) after checking it is a whole JPEG of the size the JSON states."""
+    if not data.startswith(b"\xff\xd8"):
+        raise SampleError(where, key, "jpg", "not a JPEG file")
+    try:
+        with Image.open(io.BytesIO(data), formats=["JPEG"]) as image:
+            if (image.height, image.width) != size:
+                raise SampleError(where, key, "jpg", f"JPEG is {image.height}x{image.width}, the JSON says {size[0]}x{size[1]}")
+            image.draft(image.mode, (image.width // 8, image.height // 8))  # a full pass over the data, cheaply
+            image.load()
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise SampleError(where, key, "jpg", f"truncated or corrupt JPEG: {exc}") from exc
+    return size
+
+
+def _resize_jpeg(data: bytes, size: tuple[int, int], quality: int) -> bytes:
+    with Image.open(io.BytesIO(data)) as image:
+        image.draft("RGB", (size[1], size[0]))
+        small = image.convert("RGB").resize((size[1], size[0]), Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    small.save(out, format="JPEG", quality=quality)
+    return out.getvalue()
