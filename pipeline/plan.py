@@ -53,6 +53,8 @@ def rank_batch_sizes(total: int, world_size: int, rank: int, batch_size: int, dr
     share, extra = divmod(total, world_size)
     count = share + (rank < extra)
     batches = -(-(share + (extra > 0)) // batch_size)  # the largest rank's batch count
+    if batches == 0:
+        return 0, []
     sizes = [batch_size] * (batches - 1) + [count - (batches - 1) * batch_size]
     if sizes[-1] == 0:  # a smaller rank: lend its last batch one sample from the one before
         if batches < 2 or batch_size < 2:

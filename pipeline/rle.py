@@ -41,6 +41,8 @@ def nearest_index(src: int, dst: int) -> np.ndarray:
 def run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """Run lengths of every string, concatenated, and the number of runs of each string."""
     lens = np.fromiter((len(s) for s in strings), np.int64, len(strings))
+    for index in np.flatnonzero(lens == 0):
+        raise RLEError(int(index), "empty counts string")
     chars = np.frombuffer(b"".join(strings), np.uint8).astype(np.int64) - 48
     bad = np.flatnonzero((chars < 0) | (chars > 63))
     if bad.size:
@@ -48,8 +50,8 @@ def run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     end = (chars & 0x20) == 0  # last character of a value
     ends = np.flatnonzero(end)
     string_end = np.cumsum(lens)
-    for index in np.flatnonzero((lens == 0) | ~end[np.maximum(string_end - 1, 0)]):
-        raise RLEError(int(index), "empty or truncated counts string")
+    for index in np.flatnonzero(~end[string_end - 1]):
+        raise RLEError(int(index), "truncated counts string")
     starts = np.concatenate(([0], ends[:-1] + 1))
     nchars = ends - starts + 1
     if nchars.size and nchars.max() > _MAX_CHARS_PER_VALUE:

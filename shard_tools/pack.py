@@ -317,6 +317,9 @@ def pack(
     manifest = Manifest(source.kind, splits, stored_options, fingerprint, tuple(all_skipped))
     _write_atomic(manifest_path, manifest.to_json())
     shutil.rmtree(state)
+    for task in tasks:  # debris of writers killed in an earlier run
+        if os.path.exists(partial := os.path.join(out, task.name + ".partial")):
+            os.unlink(partial)
     counts: dict[str, int] = {}
     for record in records.values():
         for name, value in record["counts"].items():

@@ -95,14 +95,12 @@ class Sa1bSource:
         for source in sources:
             fs, path = filesystem(source)
             if fs.isdir(path):
-                root = posixpath.basename(path.rstrip("/"))
                 for file in sorted(fs.find(path)):
-                    rel = posixpath.join(root, posixpath.relpath(file, path))
                     if file.endswith(".tar"):
-                        yield from self._archive(fs, file, rel)
+                        yield from self._archive(fs, file, posixpath.basename(file))
                     else:
                         key, ext = _member_key(file)
-                        yield key, ext, Part(fs.unstrip_protocol(file), 0, fs.size(file), rel)
+                        yield key, ext, Part(fs.unstrip_protocol(file), 0, fs.size(file), posixpath.relpath(file, path))
             elif path.endswith(".tar") and fs.isfile(path):
                 yield from self._archive(fs, path, posixpath.basename(path))
             else:

@@ -1,0 +1,29 @@
+# shardstream: `make demo` runs the main job on a fresh machine; `make test` runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# PyTorch is pinned here so the install is fast and repeatable: on Linux this version is a CPU
+# build where a local wheel exists (this project's build machines) and the CUDA build from PyPI
+# elsewhere. For another build: make TORCH='torch==2.x.y' or install torch first into $(VENV).
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check '$(TORCH)'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/python -m shard_tools.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/sa1b_loader.py
+
+clean:
+	rm -rf $(VENV) .cache *.egg-info

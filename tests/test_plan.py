@@ -1,0 +1,117 @@
+"""pipeline.plan: exactly-once, equal per-rank batch counts, determinism, for every world."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.plan import PlanError, World, epoch_order, plan_epoch, rank_batch_sizes
+
+SIZES = {
+    "fewer shards than workers": [9],
+    "uneven with empty shard": [5, 0, 7, 3, 1],
+    "many small": [2] * 13,
+    "tiny": [3, 2],
+}
+
+
+def _epoch(sizes, world_size, workers, *, batch_size, drop_last, shuffle, seed=3, epoch=1, window=4):
+    """Per rank: the batches in the order the DataLoader yields them (round-robin over workers)."""
+    ranks = []
+    for rank in range(world_size):
+        per_worker = [
+            plan_epoch(sizes, seed, epoch, World(rank, world_size, w, max(workers, 1)),
+                       batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, window=window)
+            for w in range(max(workers, 1))
+        ]
+        merged = sorted((b for plan in per_worker for b in plan), key=lambda b: b[0])
+        assert [b for b, _ in merged] == list(range(len(merged)))
+        # round-robin over workers gives the same order
+        rr = [b for group in itertools.zip_longest(*per_worker) for b in group if b is not None]
+        assert [b for b, _ in rr] == [b for b, _ in merged]
+        ranks.append([ids for _, ids in merged])
+    return ranks
+
+
+@pytest.mark.parametrize("name", SIZES)
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_exactly_once_for_every_world(name, drop_last, shuffle):
+    sizes = SIZES[name]
+    total = sum(sizes)
+    for world_size, workers, batch_size in itertools.product(range(1, 9), range(5), (1, 2, 3, 4)):
+        try:
+            ranks = _epoch(sizes, world_size, workers, batch_size=batch_size, drop_last=drop_last, shuffle=shuffle)
+        except PlanError:
+            # only drop_last=False with batch_size 1 and an uneven split, or fewer samples than ranks
+            assert not drop_last and (batch_size == 1 or total < world_size)
+            continue
+        counts = {len(r) for r in ranks}
+        assert len(counts) == 1, "every rank yields the same number of batches"
+        ids = np.concatenate([b for r in ranks for b in r]) if counts != {0} else np.zeros(0, int)
+        assert len(ids) == len(set(ids.tolist())), "no sample twice"
+        assert set(ids.tolist()) <= set(range(total))
+        assert all(0 < len(b) <= batch_size for r in ranks for b in r)
+        if drop_last:
+            assert all(len(b) == batch_size for r in ranks for b in r)
+            assert total - len(ids) < world_size * batch_size, "only the remainder is dropped"
+        else:
+            assert sorted(ids.tolist()) == list(range(total)), "every sample exactly once"
+            # full batches except at most the last two of a rank
+            assert all(len(b) == batch_size for r in ranks for b in r[:-2])
+
+
+def test_rank_batch_count_matches_plan():
+    for total, world_size, batch_size, drop_last in itertools.product(range(0, 40), range(1, 6), range(1, 6), (True, False)):
+        try:
+            start, sizes = rank_batch_sizes(total, world_size, 0, batch_size, drop_last)
+        except PlanError:
+            continue
+        plan = plan_epoch([total], 0, 0, World(0, world_size), batch_size=batch_size, drop_last=drop_last)
+        assert len(plan) == len(sizes) and [len(ids) for _, ids in plan] == sizes and start == 0
+
+
+def test_shuffle_is_deterministic_and_changes_with_epoch_and_seed():
+    sizes = [50, 30, 20]
+    order = lambda seed, epoch: epoch_order(sizes, seed, epoch, True, 16, 0, 100).tolist()  # noqa: E731
+    assert order(0, 0) == order(0, 0)
+    assert sorted(order(0, 0)) == list(range(100))
+    assert order(0, 0) != order(0, 1) != order(0, 2)
+    assert order(0, 0) != order(1, 0)
+    assert epoch_order(sizes, 0, 0, False, 16, 10, 20).tolist() == list(range(10, 20))
+
+
+def test_shuffle_window_keeps_locality():
+    """Within a window the samples come from few shards: consecutive windows of the shard sequence."""
+    sizes = [10] * 10
+    ids = epoch_order(sizes, 0, 0, True, 10, 0, 100)
+    for w in range(10):
+        shards = set((ids[w * 10 : (w + 1) * 10] // 10).tolist())
+        assert len(shards) <= 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=8), window=st.integers(1, 50),
+       seed=st.integers(0, 2**31), epoch=st.integers(0, 1000), data=st.data())
+def test_order_is_a_permutation_and_slices_agree(sizes, window, seed, epoch, data):
+    total = sum(sizes)
+    whole = epoch_order(sizes, seed, epoch, True, window, 0, total)
+    assert sorted(whole.tolist()) == list(range(total))
+    start = data.draw(st.integers(0, total))
+    stop = data.draw(st.integers(start, total))
+    np.testing.assert_array_equal(epoch_order(sizes, seed, epoch, True, window, start, stop), whole[start:stop])
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="rank"):
+        World(2, 2)
+    with pytest.raises(ValueError, match="worker"):
+        World(0, 1, 1, 1)
+    with pytest.raises(ValueError, match="seed"):
+        plan_epoch([3], -1, 0, World(), batch_size=1)
+    with pytest.raises(PlanError, match="drop_last=True"):
+        rank_batch_sizes(3, 4, 3, 2, drop_last=False)

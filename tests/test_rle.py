@@ -1,0 +1,116 @@
+"""pipeline.rle: the raster equals pycocotools' full decode followed by the same nearest sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pycocotools import mask as mask_utils
+
+from pipeline.rle import RLEError, check, fit, nearest_index, raster
+
+
+def _reference(masks: np.ndarray, out: tuple[int, int]) -> tuple[list[bytes], np.ndarray]:
+    """(H, W, k) uint8 masks -> their COCO strings and pycocotools' decode sampled at `out`."""
+    rles = mask_utils.encode(np.asfortranarray(masks))
+    full = mask_utils.decode(rles)
+    ys, xs = nearest_index(masks.shape[0], out[0]), nearest_index(masks.shape[1], out[1])
+    return [r["counts"] for r in rles], full[ys][:, xs].transpose(2, 0, 1).astype(bool)
+
+
+def _blobs(rng: np.random.Generator, height: int, width: int, k: int) -> np.ndarray:
+    yy, xx = np.mgrid[:height, :width]
+    masks = np.zeros((height, width, k), np.uint8)
+    for i in range(k):
+        cy, cx = rng.integers(0, height), rng.integers(0, width)
+        ry, rx = rng.integers(1, height + 1), rng.integers(1, width + 1)
+        masks[..., i] = ((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2 < 1
+    return masks
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    height=st.integers(1, 70), width=st.integers(1, 70), k=st.integers(1, 4),
+    out_h=st.integers(1, 90), out_w=st.integers(1, 90),
+    density=st.floats(0, 1), style=st.sampled_from(["noise", "blobs", "empty", "full", "pixel"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_raster_equals_pycocotools(height, width, k, out_h, out_w, density, style, seed):
+    rng = np.random.default_rng(seed)
+    if style == "noise":
+        masks = (rng.random((height, width, k)) < density).astype(np.uint8)
+    elif style == "blobs":
+        masks = _blobs(rng, height, width, k)
+    else:
+        masks = np.full((height, width, k), style == "full", np.uint8)
+        if style == "pixel":  # single-pixel runs at random places, including the corners
+            masks[rng.integers(0, height), rng.integers(0, width)] = 1
+            masks[0, 0, 0] = masks[-1, -1, -1] = 1
+    strings, expected = _reference(masks, (out_h, out_w))
+    got = raster(strings, (height, width), (out_h, out_w))
+    assert got.dtype == bool and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("size", [(1500, 2250), (2250, 1500), (1501, 2247), (7, 3)])
+@pytest.mark.parametrize("target", [256, 1024, 64, 1])
+def test_raster_real_sizes(size, target):
+    rng = np.random.default_rng(sum(size) + target)
+    masks = _blobs(rng, *size, 3)
+    out = fit(*size, target)
+    strings, expected = _reference(masks, out)
+    np.testing.assert_array_equal(raster(strings, size, out), expected)
+
+
+def test_raster_real_photo_segmentation(sa1b_src):
+    """Masks from the sample data (real segmentations of real photographs)."""
+    import json
+    import tarfile
+
+    with tarfile.open(next(sa1b_src.glob("*.tar"))) as archive:
+        meta = json.load(archive.extractfile(next(m for m in archive if m.name.endswith(".json"))))
+    rles = [a["segmentation"] for a in meta["annotations"]]
+    height, width = rles[0]["size"]
+    full = mask_utils.decode(rles)
+    for out in [(height, width), fit(height, width, 64), fit(height, width, 300)]:
+        ys, xs = nearest_index(height, out[0]), nearest_index(width, out[1])
+        got = raster([r["counts"].encode() for r in rles], (height, width), out)
+        np.testing.assert_array_equal(got, full[ys][:, xs].transpose(2, 0, 1).astype(bool))
+
+
+def test_fit_and_nearest():
+    assert fit(1500, 2250, 1024) == (683, 1024)
+    assert fit(2250, 1500, 256) == (256, 171)
+    assert fit(10, 10, 3) == (3, 3)
+    assert fit(1, 1000, 10) == (1, 10)
+    np.testing.assert_array_equal(nearest_index(4, 2), [1, 3])
+    np.testing.assert_array_equal(nearest_index(2, 4), [0, 0, 1, 1])
+    for src, dst in [(1500, 683), (7, 13), (1, 5)]:
+        idx = nearest_index(src, dst)
+        assert idx.min() >= 0 and idx.max() < src and (np.diff(idx) >= 0).all()
+
+
+@pytest.mark.parametrize(
+    ("counts", "message"),
+    [
+        (b"", "empty"),
+        (b"\x7f", "invalid character"),
+        (b"0 ", "invalid character"),
+        (b"4h", "truncated"),  # 'h' has the continuation bit set: the string ends mid-value
+        (b"00", "cover"),  # two zero runs: covers 0 pixels
+        (b"6", "cover"),  # one run of 6 zeros in a 2x2 mask
+        (b"0" + b"o" * 12 + b"0", "too long"),
+        (b"2O", "negative"),  # "O" is -1: a negative run
+    ],
+)
+def test_invalid_counts_are_errors(counts, message):
+    with pytest.raises(RLEError, match=message):
+        check([counts], (2, 2))
+    with pytest.raises(RLEError, match="mask 1"):
+        raster([b"4", counts], (2, 2), (2, 2))
+
+
+def test_no_masks():
+    assert raster([], (5, 5), (3, 3)).shape == (0, 3, 3)
+    check([], (5, 5))
