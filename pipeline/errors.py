@@ -1,4 +1,8 @@
-"""The project's exceptions: every one names the file, shard or sample it is about."""
+"""The project's exceptions: every one names the file, shard or sample it is about.
+
+Their `args` are their constructor arguments, so they pickle faithfully: an error raised in a
+DataLoader worker reaches the training process with its type and attributes intact.
+"""
 
 from __future__ import annotations
 
@@ -13,22 +17,31 @@ class ManifestError(ShardstreamError):
     """A dataset's manifest is missing, unreadable or inconsistent."""
 
     def __init__(self, url: str, message: str) -> None:
-        super().__init__(f"{url}: {message}")
-        self.url = url
+        super().__init__(url, message)
+        self.url, self.message = url, message
+
+    def __str__(self) -> str:
+        return f"{self.url}: {self.message}"
 
 
 class ShardError(ShardstreamError):
     """A shard cannot be read or does not hold what the manifest says."""
 
     def __init__(self, url: str, message: str) -> None:
-        super().__init__(f"{url}: {message}")
-        self.url = url
+        super().__init__(url, message)
+        self.url, self.message = url, message
+
+    def __str__(self) -> str:
+        return f"{self.url}: {self.message}"
 
 
 class SampleError(ShardstreamError):
-    """One sample (or one of its fields) of a shard or a source is invalid."""
+    """One sample (or one of its fields) of a shard or of a packing source is invalid."""
 
     def __init__(self, url: str, key: str, field: str | None, message: str) -> None:
-        where = f"sample {key!r}" + (f", field {field!r}" if field else "")
-        super().__init__(f"{url}: {where}: {message}")
-        self.url, self.key, self.field = url, key, field
+        super().__init__(url, key, field, message)
+        self.url, self.key, self.field, self.message = url, key, field, message
+
+    def __str__(self) -> str:
+        where = f"sample {self.key!r}" + (f", field {self.field!r}" if self.field else "")
+        return f"{self.url}: {where}: {self.message}"

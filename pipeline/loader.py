@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +47,13 @@ class LoaderConfig:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _WorkerError:
+    """An error of ours raised in a worker, sent as a value: torch would re-raise it as a bare RuntimeError."""
+
+    error: ShardstreamError
+
+
 class _ShardStream(IterableDataset):
     """Yields this worker's collated batches of one split for the epoch held in shared memory."""
 
@@ -82,7 +90,11 @@ class _ShardStream(IterableDataset):
                     samples.append(self._load(fs, base, shard, index, epoch))
                 except ShardstreamError as exc:
                     if cfg.on_error == "raise":
-                        raise
+                        if info is None:
+                            raise
+                        exc.add_note(f"in DataLoader worker {info.id}:\n{traceback.format_exc()}")
+                        yield _WorkerError(exc)
+                        return
                     self.skipped[world.worker] += 1
                     log.warning("skipped: %s", exc)
             if not samples:
@@ -124,12 +136,18 @@ class StreamLoader:
         return self._batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        batches = iter(self._loader)
+        batches = map(_raise_worker_errors, self._loader)
         if self.device is None:
             return batches
         if self.device.type == "cuda":
             return prefetch_to_cuda(batches, self.device)
         return (to_device(b, self.device) for b in batches)
+
+
+def _raise_worker_errors(batch: Any) -> dict[str, Any]:
+    if isinstance(batch, _WorkerError):
+        raise batch.error
+    return batch
 
 
 def _resolve_device(device: str | torch.device | None, pin_memory: bool | None) -> tuple[torch.device | None, bool]:

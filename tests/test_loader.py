@@ -1,0 +1,261 @@
+"""make_stream_loader: exact splitting, determinism, decoded content against references, errors, device."""
+
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pycocotools import mask as mask_utils
+
+from pipeline import SampleError, make_stream_loader, validate_first_batch
+from pipeline.format import Manifest
+from pipeline.rle import fit, nearest_index
+from pipeline.sa1b import Sa1bOptions, check_batch, choose_masks
+
+SMALL = dict(image_size=64, mask_size=32, max_masks=5)
+
+
+def _manifest(root: str) -> Manifest:
+    return Manifest.from_json((pathlib.Path(root) / "manifest.json").read_bytes(), root)
+
+
+def _epoch(loader, epoch: int = 0) -> list[dict]:
+    loader.set_epoch(epoch)
+    return list(loader)
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert [x["keys"] for x in a] == [x["keys"] for x in b]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for name, value in x.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, y[name]), name
+
+
+def test_same_batches_for_any_workers_and_worker_lifetime(sa1b_dataset):
+    runs = {
+        (workers, persistent): [
+            _epoch(make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=workers, seed=7,
+                                      persistent_workers=persistent, **SMALL), epoch)
+            for epoch in (0, 1)
+        ]
+        for workers, persistent in [(0, None), (1, True), (2, True), (2, False), (3, False)]
+    }
+    reference = runs[(0, None)]
+    for got in runs.values():
+        for epoch in (0, 1):
+            _same(got[epoch], reference[epoch])
+    assert [b["keys"] for b in reference[0]] != [b["keys"] for b in reference[1]], "epochs differ"
+
+
+def test_persistent_workers_follow_set_epoch(sa1b_dataset):
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, persistent_workers=True, **SMALL)
+    fresh = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, **SMALL)
+    for epoch in (0, 1, 2, 1):
+        _same(_epoch(loader, epoch), _epoch(fresh, epoch))
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_every_sample_once_across_ranks_and_workers(sa1b_dataset, drop_last):
+    train = [k for s in _manifest(sa1b_dataset).splits["train"] for k in s.keys]
+    for world_size in (1, 2, 3):
+        for workers in (0, 2, 3):
+            seen, lengths = [], set()
+            for rank in range(world_size):
+                loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=workers, rank=rank,
+                                            world_size=world_size, drop_last=drop_last, **SMALL)
+                batches = _epoch(loader, 3)
+                assert len(batches) == len(loader)
+                lengths.add(len(batches))
+                seen += [k for b in batches for k in b["keys"]]
+            assert len(lengths) == 1, "every rank yields the same number of batches"
+            assert len(seen) == len(set(seen))
+            if drop_last:
+                assert set(seen) <= set(train) and len(train) - len(seen) < 2 * world_size
+            else:
+                assert sorted(seen) == sorted(train)
+
+
+def test_fewer_shards_than_workers(sa1b_src, tmp_path):
+    from shard_tools.pack import PackOptions, pack
+    from shard_tools.sa1b import Sa1bSource
+
+    pack(Sa1bSource(), [str(sa1b_src)], str(tmp_path), PackOptions(shard_samples=100), progress=False)
+    assert len(_manifest(str(tmp_path)).splits["train"]) == 1
+    loader = make_stream_loader(str(tmp_path), "train", batch_size=3, num_workers=3, drop_last=False, **SMALL)
+    keys = [k for b in _epoch(loader) for k in b["keys"]]
+    assert sorted(keys) == sorted(f"sa_{i}" for i in range(1, 15))
+
+
+def test_no_shuffle_gives_manifest_order(sa1b_dataset):
+    loader = make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=2, shuffle=False, drop_last=False, **SMALL)
+    keys = [k for b in _epoch(loader, 5) for k in b["keys"]]
+    assert keys == [k for s in _manifest(sa1b_dataset).splits["val"] for k in s.keys]
+
+
+def _sources(sa1b_src: pathlib.Path) -> dict[str, tuple[bytes, dict]]:
+    found: dict[str, dict] = {}
+    for path in sorted(sa1b_src.glob("*.tar")):
+        with tarfile.open(path) as archive:
+            for member in archive:
+                key, ext = member.name.split(".")
+                found.setdefault(key, {})[ext] = archive.extractfile(member).read()
+    return {k: (v["jpg"], json.loads(v["json"])) for k, v in found.items()}
+
+
+@pytest.mark.parametrize("mask_size", [32, None])
+def test_batches_match_reference_decoders(sa1b_src, sa1b_dataset, mask_size):
+    options = Sa1bOptions(image_size=80, mask_size=mask_size, max_masks=6)
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=3, num_workers=2, seed=11, drop_last=False,
+                                image_size=80, mask_size=mask_size, max_masks=6)
+    sources = _sources(sa1b_src)
+    for batch in _epoch(loader, 2):
+        assert check_batch(batch, options, 2) == []
+        m = options.mask_frame
+        for i, key in enumerate(batch["keys"]):
+            jpg, meta = sources[key]
+            height, width = meta["image"]["height"], meta["image"]["width"]
+            anns = meta["annotations"]
+            chosen = choose_masks(len(anns), 6, 11, 2, key)
+            count = int(batch["mask_counts"][i])
+            assert count == len(chosen) == min(6, len(anns))
+            # masks: pycocotools' full decode, then the same nearest sampling, exactly
+            mh, mw = fit(height, width, m)
+            full = mask_utils.decode([anns[j]["segmentation"] for j in chosen])
+            ref = full[nearest_index(height, mh)][:, nearest_index(width, mw)].transpose(2, 0, 1).astype(bool)
+            got = batch["masks"][i]
+            assert torch.equal(got[:count, :mh, :mw], torch.from_numpy(ref))
+            assert not got[count:].any() and not got[:, mh:].any() and not got[:, :, mw:].any(), "zero padding"
+            # geometry in the resized frame
+            h, w = fit(height, width, 80)
+            assert batch["image_sizes"][i].tolist() == [h, w] and batch["original_sizes"][i].tolist() == [height, width]
+            boxes = np.array([anns[j]["bbox"] for j in chosen]) * (w / width, h / height, w / width, h / height)
+            boxes[:, 2:] += boxes[:, :2]
+            np.testing.assert_allclose(batch["boxes"][i, :count].numpy(), boxes, rtol=1e-5, atol=1e-4)
+            assert not batch["boxes"][i, count:].any() and not batch["areas"][i, count:].any()
+            np.testing.assert_allclose(batch["predicted_ious"][i, :count].numpy(), [anns[j]["predicted_iou"] for j in chosen], rtol=1e-6)
+            assert batch["image_ids"][i] == meta["image"]["image_id"]
+            # image: close to a full decode resized to the same frame (the loader decodes at reduced scale)
+            ref_image = np.asarray(Image.open(io.BytesIO(jpg)).convert("RGB").resize((w, h), Image.Resampling.BILINEAR))
+            got_image = batch["images"][i, :, :h, :w].permute(1, 2, 0).numpy().astype(int)
+            assert np.abs(got_image - ref_image).mean() < 8
+            assert not batch["images"][i, :, h:].any() and not batch["images"][i, :, :, w:].any()
+
+
+def test_masks_are_sampled_per_epoch_and_max_masks_may_follow_the_epoch(sa1b_dataset):
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=4, num_workers=0, shuffle=False,
+                                image_size=64, mask_size=16, max_masks=lambda epoch: 2 + epoch)
+    for epoch in (0, 3):
+        batch = _epoch(loader, epoch)[0]
+        assert batch["mask_counts"].max() == 2 + epoch
+        assert batch["masks"].shape[1] == 2 + epoch
+    a, b = _epoch(loader, 0)[0], _epoch(loader, 1)[0]
+    assert not torch.equal(a["areas"][:, :2], b["areas"][:, :2]), "another epoch samples other masks"
+
+
+def test_validate_first_batch_and_check_batch(sa1b_dataset):
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, **SMALL)
+    batch = validate_first_batch(loader)
+    options = Sa1bOptions(**SMALL)
+    assert check_batch(batch, options, 0) == []
+    broken = dict(batch, boxes=batch["boxes"].clone())
+    broken["boxes"][0, 0, 0] = float("nan")
+    assert any("NaN" in p for p in check_batch(broken, options, 0))
+    broken = dict(batch, boxes=batch["boxes"] + 1000)
+    assert any("boxes" in p for p in check_batch(broken, options, 0))
+    broken = dict(batch, mask_counts=batch["mask_counts"] + 10)
+    assert any("mask_counts" in p for p in check_batch(broken, options, 0))
+    broken = dict(batch, masks=batch["masks"].clone())
+    broken["masks"][0, int(batch["mask_counts"][0]):] = True
+    if broken["masks"].shape[1] > int(batch["mask_counts"][0]):
+        assert any("padding" in p for p in check_batch(broken, options, 0))
+    broken = dict(batch, images=batch["images"].float())
+    assert any("dtype" in p for p in check_batch(broken, options, 0))
+    broken = dict(batch, predicted_ious=batch["predicted_ious"] + 2)
+    assert any("[0, 1]" in p for p in check_batch(broken, options, 0))
+    assert "keys" in check_batch({"images": batch["images"]}, options, 0)[0]
+
+
+@pytest.fixture()
+def corrupted(sa1b_dataset, tmp_path) -> tuple[str, str, str]:
+    """A copy of the dataset with one sample's annotation member damaged: (root, shard name, key)."""
+    root = tmp_path / "corrupt"
+    shutil.copytree(sa1b_dataset, root)
+    shard = _manifest(str(root)).splits["train"][0]
+    data = bytearray((root / shard.name).read_bytes())
+    key = shard.keys[1]
+    start = shard.offsets[1]
+    jpg_size = int(data[start + 124 : start + 136].rstrip(b"\0"), 8)
+    ann = start + 512 + jpg_size + (-jpg_size % 512) + 512  # the msgpack member's data
+    data[ann : ann + 8] = b"\xc1" * 8  # 0xc1 is never valid msgpack
+    (root / shard.name).write_bytes(bytes(data))
+    return str(root), shard.name, key
+
+
+def test_on_error_raise_names_shard_and_key(corrupted):
+    root, shard, key = corrupted
+    loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, shuffle=False, **SMALL)
+    with pytest.raises(SampleError, match=rf"{shard}.*{key!r}.*msgpack"):
+        _epoch(loader)
+
+
+def test_on_error_skip_counts_and_goes_on(corrupted, sa1b_dataset, caplog):
+    root, _, key = corrupted
+    loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, shuffle=False, on_error="skip", **SMALL)
+    keys = [k for b in _epoch(loader) for k in b["keys"]]
+    clean = [k for b in _epoch(make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, shuffle=False, **SMALL)) for k in b["keys"]]
+    assert keys == [k for k in clean if k != key]
+    assert loader.skipped == 1
+    keys = [k for b in _epoch(loader, 1) for k in b["keys"]]
+    assert loader.skipped == 2
+
+
+def test_missing_shard_is_named(sa1b_dataset, tmp_path):
+    root = tmp_path / "missing"
+    shutil.copytree(sa1b_dataset, root)
+    name = _manifest(str(root)).splits["val"][0].name
+    (root / name).unlink()
+    with pytest.raises(Exception, match=rf"{name}: shard is missing"):
+        _epoch(make_stream_loader(str(root), "val", batch_size=1, num_workers=0, **SMALL))
+
+
+def test_spawned_workers(sa1b_dataset):
+    a = _epoch(make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=2, multiprocessing_context="spawn", **SMALL), 1)
+    _same(a, _epoch(make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, **SMALL), 1))
+
+
+def test_device_and_argument_errors(sa1b_dataset):
+    loader = make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, device="cpu", **SMALL)
+    assert all(t.device.type == "cpu" for t in next(iter(loader)).values() if isinstance(t, torch.Tensor))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, device="cuda")
+        with pytest.raises(ValueError, match="pin_memory"):
+            make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, pin_memory=True)
+    with pytest.raises(ValueError, match="no split 'test'"):
+        make_stream_loader(sa1b_dataset, "test", batch_size=2, num_workers=0)
+    with pytest.raises(ValueError, match="too few for one batch"):
+        make_stream_loader(sa1b_dataset, "val", batch_size=100, num_workers=0)
+    with pytest.raises(ValueError, match="on_error"):
+        make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, on_error="ignore")
+    with pytest.raises(ValueError, match="mask_size"):
+        make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, mask_size=0)
+    with pytest.raises(ValueError, match="epoch"):
+        make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0).set_epoch(-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batches_are_on_the_device(sa1b_dataset):
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, device="cuda", **SMALL)
+    cpu = _epoch(make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, **SMALL))
+    got = _epoch(loader)
+    assert all(t.is_cuda for b in got for t in b.values() if isinstance(t, torch.Tensor))
+    _same([{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in got], cpu)
