@@ -136,12 +136,13 @@ class StreamLoader:
         return self._batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        batches = map(_raise_worker_errors, self._loader)
-        if self.device is None:
-            return batches
-        if self.device.type == "cuda":
-            return prefetch_to_cuda(batches, self.device)
-        return (to_device(b, self.device) for b in batches)
+        batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._loader)
+        if self.device is not None and self.device.type == "cuda":
+            batches = prefetch_to_cuda(batches, self.device)
+        elif self.device is not None:
+            batches = (to_device(b, self.device) for b in batches)
+        kind, options = self._stream.kind, self._stream.options
+        return (kind.finish(b, options) for b in batches)
 
 
 def _raise_worker_errors(batch: Any) -> dict[str, Any]:

@@ -122,4 +122,4 @@ def raster(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]
     parity = ((np.arange(runs.size) - np.repeat(first, runs_per)) & 1).astype(bool)
     flat = np.repeat(parity, lengths)
     masks = flat.reshape(k, columns.size, h).transpose(0, 2, 1)
-    return masks if columns.size == w else masks[:, :, column_of]
+    return np.ascontiguousarray(masks if columns.size == w else masks[:, :, column_of])

@@ -17,13 +17,18 @@ from typing import Any
 import msgpack.exceptions
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
+from pipeline.collate import empty, pack_bits, unpack_bits
 from pipeline.errors import SampleError
 from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_RECORD_FIELDS, decode_array, unpack_record
 from pipeline.rle import RLEError, fit, raster
 
-__all__ = ["Sa1bOptions", "decode_sample", "collate", "check_batch", "BATCH_FIELDS", "MAX_IMAGE_PIXELS"]
+__all__ = [
+    "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "check_batch", "BATCH_FIELDS",
+    "MAX_IMAGE_PIXELS",
+]
 
 MAX_IMAGE_PIXELS = 1 << 28  # 16k x 16k: larger JPEGs are refused (decompression bombs)
 _MASKS = 3  # SeedSequence purpose, beside the plan's
@@ -91,20 +96,21 @@ def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.
     return np.sort(rng.choice(count, limit, replace=False))
 
 
-def decode_image(data: bytes, frame: tuple[int, int], url: str, key: str) -> np.ndarray:
-    """The JPEG as (h, w, 3) uint8 at `frame`, decoded at the smallest libjpeg scale that covers it."""
+def decode_image(data: bytes, frame: tuple[int, int], url: str, key: str) -> torch.Tensor:
+    """The JPEG as (3, h, w) uint8 at `frame`: decoded at the smallest libjpeg scale that covers the
+    frame, then resized with antialiased bilinear filtering (torch's uint8 kernel; ~6x PIL's)."""
     height, width = frame
     try:
         with Image.open(io.BytesIO(data), formats=["JPEG"]) as image:
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise SampleError(url, key, SA1B_JPG, f"{image.width}x{image.height} pixels exceed the cap {MAX_IMAGE_PIXELS}")
             image.draft("RGB", (width, height))
-            image = image.convert("RGB")
-            if image.size != (width, height):
-                image = image.resize((width, height), Image.Resampling.BILINEAR)
-            return np.array(image)
+            pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise SampleError(url, key, SA1B_JPG, f"cannot decode JPEG: {exc}") from exc
+    if pixels.shape[1:] == (height, width):
+        return pixels
+    return F.interpolate(pixels[None], size=(height, width), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, seed: int, epoch: int, url: str, key: str) -> dict[str, Any]:
@@ -166,12 +172,13 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, seed: int,
 
 
 def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str, Any]:
-    """A batch: square images and masks padded with zeros; per-mask columns padded to the largest count."""
+    """A batch in transit: square images padded with zeros, masks bit-packed (see `finish`),
+    per-mask columns padded with zeros to the largest mask count of the batch."""
     b, s, m = len(samples), options.image_size, options.mask_frame
     n = max(len(x["masks"]) for x in samples)
     batch: dict[str, Any] = {
-        "images": torch.zeros(b, 3, s, s, dtype=torch.uint8),
-        "masks": torch.zeros(b, n, m, m, dtype=torch.bool),
+        "images": empty((b, 3, s, s), torch.uint8),
+        "masks_packed": empty((b, n, m, -(-m // 8)), torch.uint8).zero_(),
         "mask_counts": torch.tensor([len(x["masks"]) for x in samples], dtype=torch.int64),
         "boxes": torch.zeros(b, n, 4),
         "points": torch.zeros(b, n, 2),
@@ -184,12 +191,22 @@ def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str
         "keys": [x["key"] for x in samples],
     }
     for i, x in enumerate(samples):
-        h, w, _ = x["image"].shape
-        batch["images"][i, :, :h, :w] = torch.from_numpy(x["image"]).permute(2, 0, 1)
-        c, mh, mw = x["masks"].shape
-        batch["masks"][i, :c, :mh, :mw] = torch.from_numpy(x["masks"])
+        images, (_, h, w) = batch["images"][i], x["image"].shape
+        images[:, :h, :w] = x["image"]
+        images[:, h:] = 0
+        images[:, :h, w:] = 0
+        packed = pack_bits(x["masks"])
+        c, mh, mb = packed.shape
+        batch["masks_packed"][i, :c, :mh, :mb] = torch.from_numpy(packed)
         for name in ("boxes", "points", "areas", "predicted_ious", "stability_scores"):
             batch[name][i, :c] = torch.from_numpy(np.asarray(x[name], dtype=np.float32))
+    return batch
+
+
+def finish(batch: dict[str, Any], options: Sa1bOptions) -> dict[str, Any]:
+    """The batch users get: masks unpacked to bool (B, N, m, m), on whatever device the batch is."""
+    batch = dict(batch)
+    batch["masks"] = unpack_bits(batch.pop("masks_packed"), options.mask_frame)
     return batch
 
 

@@ -1,0 +1,196 @@
+"""SA-1B loader benchmark: make_stream_loader vs a naive loader vs the decode-only floor, one run.
+
+    python bench/sa1b_loader.py [--images 128] [--workers 2]     (or: make bench)
+
+(a) make_stream_loader: packed shards, num_workers=2, batch 8, image 1024, masks 256, max 64.
+(b) naive reference, as common tutorials do it: a map-style Dataset over the jpg/json files that
+    decodes every mask with pycocotools at full resolution, then samples 64 and resizes them;
+    full-resolution JPEG decode; same DataLoader settings.
+(c) floor: only the decode work the batch needs (JPEG at reduced scale + the 64 sampled masks
+    rasterised at 256), in one process, on bytes already in memory, times the cores.
+Each runs in its own subprocess so its peak memory is its own. Timings are medians over epochs
+(after a warm-up epoch); compare them as ratios within one run, never across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "bench-sa1b"
+SETTINGS = dict(batch_size=8, image_size=1024, mask_size=256, max_masks=64)
+
+
+def prepare(images: int) -> pathlib.Path:
+    """Sample data (cached): SA-1B archives, their extracted files, and packed shards."""
+    from shard_tools.pack import PackOptions, pack
+    from shard_tools.sa1b import Sa1bSource
+    from shard_tools.sample_data import write_sa1b
+
+    data = CACHE / f"{images}"
+    if not (data / "shards" / "manifest.json").exists():
+        print(f"building {images} SA-1B-shaped images at 1500x2250 (cached in {data}) ...", flush=True)
+        write_sa1b(data / "src", images=images, size=(1500, 2250), masks=(90, 130), workers=os.cpu_count() or 1)
+        for archive in sorted((data / "src").glob("*.tar")):
+            with tarfile.open(archive) as tar:
+                tar.extractall(data / "files", filter="data")
+        pack(Sa1bSource(), [str(data / "src")], str(data / "shards"), PackOptions(shard_samples=32, workers=2), progress=False)
+    return data
+
+
+def _peak_mb() -> tuple[float, float]:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return own, children
+
+
+def run_loader(data: pathlib.Path, workers: int, epochs: int) -> dict:
+    from pipeline import make_stream_loader
+
+    loader = make_stream_loader(str(data / "shards"), "train", num_workers=workers, **SETTINGS)
+    rates, first = [], []
+    for epoch in range(epochs + 1):
+        loader.set_epoch(epoch)
+        start = time.perf_counter()
+        n = 0
+        for i, batch in enumerate(loader):
+            if i == 0:
+                first.append(time.perf_counter() - start)
+            n += len(batch["keys"])
+        if epoch:  # epoch 0 warms the page cache
+            rates.append(n / (time.perf_counter() - start))
+    del loader
+    return {"rate": statistics.median(rates), "first_batch_s": statistics.median(first[1:]), "peak_mb": _peak_mb()}
+
+
+class NaiveDataset:
+    """The tutorial way: full-resolution decode of the image and of every mask, then sample."""
+
+    def __init__(self, files: pathlib.Path) -> None:
+        self.keys = sorted(p.stem for p in files.glob("*.jpg"))
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+        from PIL import Image
+        from pycocotools import mask as mask_utils
+
+        key, size, msize, limit = self.keys[i], SETTINGS["image_size"], SETTINGS["mask_size"], SETTINGS["max_masks"]
+        meta = json.loads((self.files / f"{key}.json").read_text())
+        image = Image.open(self.files / f"{key}.jpg").convert("RGB")
+        w, h = image.size
+        scale = size / max(h, w)
+        image = np.asarray(image.resize((round(w * scale), round(h * scale)), Image.Resampling.BILINEAR))
+        masks = mask_utils.decode([a["segmentation"] for a in meta["annotations"]])  # (H, W, N) at full size
+        chosen = np.sort(np.random.default_rng(i).choice(masks.shape[2], min(limit, masks.shape[2]), replace=False))
+        mh, mw = round(h * msize / max(h, w)), round(w * msize / max(h, w))
+        ys, xs = (np.arange(mh) * h) // mh, (np.arange(mw) * w) // mw
+        small = masks[ys][:, xs][:, :, chosen].transpose(2, 0, 1)
+        out_image = torch.zeros(3, size, size, dtype=torch.uint8)
+        out_image[:, : image.shape[0], : image.shape[1]] = torch.from_numpy(image.copy()).permute(2, 0, 1)
+        out_masks = torch.zeros(limit, msize, msize, dtype=torch.bool)
+        out_masks[: len(chosen), :mh, :mw] = torch.from_numpy(small.astype(bool))
+        return {"images": out_image, "masks": out_masks}
+
+
+def run_naive(data: pathlib.Path, workers: int, samples: int) -> dict:
+    import torch
+
+    dataset = NaiveDataset(data / "files")
+    subset = torch.utils.data.Subset(dataset, range(min(samples, len(dataset))))
+    loader = torch.utils.data.DataLoader(subset, batch_size=SETTINGS["batch_size"], num_workers=workers)
+    start, n = time.perf_counter(), 0
+    for i, batch in enumerate(loader):
+        if i == 0:
+            start = time.perf_counter()  # workers started, first batch in: the steady state begins
+        else:
+            n += len(batch["images"])
+    return {"rate": n / (time.perf_counter() - start), "peak_mb": _peak_mb()}
+
+
+def run_floor(data: pathlib.Path, cores: int, samples: int) -> dict:
+    from pipeline.format import Manifest
+    from pipeline.rle import fit, raster
+    from pipeline.sa1b import choose_masks, decode_image
+    from pipeline.format import unpack_record
+    from pipeline.tario import parse_sample
+
+    manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
+    work = []
+    for shard in manifest.splits["train"]:
+        blob = (data / "shards" / shard.name).read_bytes()
+        for i, key in enumerate(shard.keys):
+            members = parse_sample(blob[shard.offsets[i] : shard.offsets[i + 1]], shard.name, key)
+            record = unpack_record(members["msgpack"])
+            work.append((key, members["jpg"], record["counts"], record["image"]["height"], record["image"]["width"]))
+    work = work[:samples]
+    times = []
+    for key, jpg, counts, height, width in work:
+        start = time.perf_counter()
+        decode_image(jpg, fit(height, width, SETTINGS["image_size"]), "m", key)
+        chosen = choose_masks(len(counts), SETTINGS["max_masks"], 0, 0, key)
+        raster([counts[i] for i in chosen], (height, width), fit(height, width, SETTINGS["mask_size"]))
+        times.append(time.perf_counter() - start)
+    per_sample = statistics.median(times)
+    return {"rate": cores / per_sample, "per_sample_ms": per_sample * 1000, "peak_mb": _peak_mb()}
+
+
+def _child(method: str, data: pathlib.Path, args: argparse.Namespace) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--only", method, "--data", str(data), "--workers", str(args.workers),
+                          "--epochs", str(args.epochs), "--naive-samples", str(args.naive_samples)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=128)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3, help="timed epochs of the loader (after one warm-up)")
+    parser.add_argument("--naive-samples", type=int, default=40)
+    parser.add_argument("--only", choices=["loader", "naive", "floor"])
+    parser.add_argument("--data", type=pathlib.Path)
+    args = parser.parse_args()
+    if args.only:
+        run = {"loader": lambda: run_loader(args.data, args.workers, args.epochs),
+               "naive": lambda: run_naive(args.data, args.workers, args.naive_samples),
+               "floor": lambda: run_floor(args.data, args.workers, 48)}[args.only]
+        print(json.dumps(run()))
+        return
+
+    data = prepare(args.images)
+    from pipeline.format import Manifest
+
+    manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
+    print(f"data: {manifest.samples('train')} images 1500x2250 (portrait every third), "
+          f"{sum(1 for _ in (data / 'files').glob('*.json'))} json files; settings {SETTINGS}, "
+          f"num_workers={args.workers}, cores={os.cpu_count()}", flush=True)
+    results = {m: _child(m, data, args) for m in ("floor", "loader", "naive")}
+    floor, loader, naive = (results[m]["rate"] for m in ("floor", "loader", "naive"))
+    print(f"{'method':<44}{'samples/s':>10}{'peak RSS MB (main / largest worker)':>40}")
+    for method, label in (("floor", f"(c) floor: decode work only x {args.workers} cores"),
+                          ("loader", "(a) make_stream_loader"), ("naive", "(b) naive: pycocotools decode all, sample")):
+        own, children = results[method]["peak_mb"]
+        print(f"{label:<44}{results[method]['rate']:>10.1f}{own:>22.0f} / {children:.0f}")
+    print(f"floor per sample, one core: {results['floor']['per_sample_ms']:.1f} ms; "
+          f"loader time to first batch: {results['loader']['first_batch_s']:.2f} s")
+    print(f"loader / floor = {loader / floor:.0%} (target >= 70%); loader / naive = {loader / naive:.1f}x (target >= 20x)")
+
+
+if __name__ == "__main__":
+    main()
