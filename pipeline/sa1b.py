@@ -105,7 +105,7 @@ def decode_image(data: bytes, frame: tuple[int, int], url: str, key: str) -> tor
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise SampleError(url, key, SA1B_JPG, f"{image.width}x{image.height} pixels exceed the cap {MAX_IMAGE_PIXELS}")
             image.draft("RGB", (width, height))
-            pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+            pixels = torch.from_numpy(np.array(image if image.mode == "RGB" else image.convert("RGB"))).permute(2, 0, 1)
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise SampleError(url, key, SA1B_JPG, f"cannot decode JPEG: {exc}") from exc
     if pixels.shape[1:] == (height, width):
@@ -171,43 +171,50 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, seed: int,
     }
 
 
+# In transit a batch is four tensors, not eleven (each tensor costs a shared-memory file and a
+# socket message between processes): per-mask columns and per-image integers travel stacked.
+_MASK_COLUMNS = (("boxes", 4), ("points", 2), ("areas", 1), ("predicted_ious", 1), ("stability_scores", 1))
+_IMAGE_COLUMNS = (("mask_counts", 1), ("image_ids", 1), ("original_sizes", 2), ("image_sizes", 2))
+
+
 def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str, Any]:
-    """A batch in transit: square images padded with zeros, masks bit-packed (see `finish`),
-    per-mask columns padded with zeros to the largest mask count of the batch."""
+    """A batch in transit (see `finish`): square images padded with zeros, masks bit-packed,
+    per-mask columns stacked and padded with zeros to the largest mask count of the batch."""
     b, s, m = len(samples), options.image_size, options.mask_frame
     n = max(len(x["masks"]) for x in samples)
-    batch: dict[str, Any] = {
-        "images": empty((b, 3, s, s), torch.uint8),
-        "masks_packed": empty((b, n, m, -(-m // 8)), torch.uint8).zero_(),
-        "mask_counts": torch.tensor([len(x["masks"]) for x in samples], dtype=torch.int64),
-        "boxes": torch.zeros(b, n, 4),
-        "points": torch.zeros(b, n, 2),
-        "areas": torch.zeros(b, n),
-        "predicted_ious": torch.zeros(b, n),
-        "stability_scores": torch.zeros(b, n),
-        "image_ids": torch.tensor([x["image_id"] for x in samples], dtype=torch.int64),
-        "original_sizes": torch.tensor([x["original_size"] for x in samples], dtype=torch.int64),
-        "image_sizes": torch.tensor([x["image_size"] for x in samples], dtype=torch.int64),
-        "keys": [x["key"] for x in samples],
-    }
+    images = empty((b, 3, s, s), torch.uint8)
+    masks = empty((b, n, m, -(-m // 8)), torch.uint8).zero_()
+    columns = torch.zeros(b, n, sum(width for _, width in _MASK_COLUMNS))
+    info = torch.tensor([[len(x["masks"]), x["image_id"], *x["original_size"], *x["image_size"]] for x in samples],
+                        dtype=torch.int64)
     for i, x in enumerate(samples):
-        images, (_, h, w) = batch["images"][i], x["image"].shape
-        images[:, :h, :w] = x["image"]
-        images[:, h:] = 0
-        images[:, :h, w:] = 0
+        _, h, w = x["image"].shape
+        images[i, :, :h, :w] = x["image"]
+        images[i, :, h:] = 0
+        images[i, :, :h, w:] = 0
         packed = pack_bits(x["masks"])
         c, mh, mb = packed.shape
-        batch["masks_packed"][i, :c, :mh, :mb] = torch.from_numpy(packed)
-        for name in ("boxes", "points", "areas", "predicted_ious", "stability_scores"):
-            batch[name][i, :c] = torch.from_numpy(np.asarray(x[name], dtype=np.float32))
-    return batch
+        masks[i, :c, :mh, :mb] = torch.from_numpy(packed)
+        stacked = np.concatenate([np.reshape(x[name], (c, width)) for name, width in _MASK_COLUMNS], axis=1)
+        columns[i, :c] = torch.from_numpy(stacked.astype(np.float32))
+    return {"images": images, "masks_packed": masks, "columns": columns, "info": info, "keys": [x["key"] for x in samples]}
+
+
+def _split(stacked: torch.Tensor, layout: tuple[tuple[str, int], ...]) -> dict[str, torch.Tensor]:
+    parts = stacked.split([width for _, width in layout], dim=-1)
+    return {name: (part if width > 1 else part.squeeze(-1)).contiguous() for (name, width), part in zip(layout, parts)}
 
 
 def finish(batch: dict[str, Any], options: Sa1bOptions) -> dict[str, Any]:
-    """The batch users get: masks unpacked to bool (B, N, m, m), on whatever device the batch is."""
-    batch = dict(batch)
-    batch["masks"] = unpack_bits(batch.pop("masks_packed"), options.mask_frame)
-    return batch
+    """The batch users get, on whatever device the transit batch was moved to: masks unpacked to
+    bool (B, N, m, m), columns split into their fields."""
+    return {
+        "images": batch["images"],
+        "masks": unpack_bits(batch["masks_packed"], options.mask_frame),
+        **_split(batch["columns"], _MASK_COLUMNS),
+        **_split(batch["info"], _IMAGE_COLUMNS),
+        "keys": batch["keys"],
+    }
 
 
 def check_batch(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list[str]:
