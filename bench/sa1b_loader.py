@@ -15,7 +15,6 @@ Each runs in its own subprocess so its peak memory is its own. Timings are media
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import pathlib

@@ -10,36 +10,29 @@ __all__ = ["ShardstreamError", "ManifestError", "ShardError", "SampleError"]
 
 
 class ShardstreamError(Exception):
-    """Base class of every error this project raises on purpose."""
+    """Base class of every error this project raises on purpose: a message about one URL."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(url, message)
+        self.url, self.message = url, message
+
+    def __str__(self) -> str:
+        return f"{self.url}: {self.message}"
 
 
 class ManifestError(ShardstreamError):
     """A dataset's manifest is missing, unreadable or inconsistent."""
 
-    def __init__(self, url: str, message: str) -> None:
-        super().__init__(url, message)
-        self.url, self.message = url, message
-
-    def __str__(self) -> str:
-        return f"{self.url}: {self.message}"
-
 
 class ShardError(ShardstreamError):
     """A shard cannot be read or does not hold what the manifest says."""
-
-    def __init__(self, url: str, message: str) -> None:
-        super().__init__(url, message)
-        self.url, self.message = url, message
-
-    def __str__(self) -> str:
-        return f"{self.url}: {self.message}"
 
 
 class SampleError(ShardstreamError):
     """One sample (or one of its fields) of a shard or of a packing source is invalid."""
 
     def __init__(self, url: str, key: str, field: str | None, message: str) -> None:
-        super().__init__(url, key, field, message)
+        Exception.__init__(self, url, key, field, message)
         self.url, self.key, self.field, self.message = url, key, field, message
 
     def __str__(self) -> str:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.device import prefetch_to_cuda, to_device
-from pipeline.errors import SampleError, ShardstreamError
+from pipeline.errors import ShardError, ShardstreamError
 from pipeline.format import Manifest
 from pipeline.kinds import KINDS
 from pipeline.plan import World, plan_epoch, rank_batch_sizes
@@ -61,7 +61,6 @@ class _ShardStream(IterableDataset):
                  rank: int, world_size: int, storage_options: dict[str, Any] | None) -> None:
         shards = manifest.splits[split]
         self.root, self.names = root, [s.name for s in shards]
-        self.urls = [join(root, s.name) for s in shards]
         self.keys = [s.keys for s in shards]
         self.offsets = [np.asarray(s.offsets, dtype=np.int64) for s in shards]
         self.sizes = [s.samples for s in shards]
@@ -77,34 +76,39 @@ class _ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         world = World(self.rank, self.world_size, info.id if info else 0, info.num_workers if info else 1)
-        epoch, cfg = int(self.epoch[0]), self.config
+        try:
+            yield from self._batches(world, int(self.epoch[0]))
+        except ShardstreamError as exc:
+            if info is None:
+                raise
+            exc.add_note(f"in DataLoader worker {info.id}:\n{traceback.format_exc()}")
+            yield _WorkerError(exc)
+
+    def _batches(self, world: World, epoch: int) -> Iterator[dict[str, Any]]:
+        cfg = self.config
         plan = plan_epoch(self.sizes, cfg.seed, epoch, world, batch_size=cfg.batch_size, drop_last=cfg.drop_last,
                           shuffle=cfg.shuffle, window=cfg.shuffle_window)
         fs, base = filesystem(self.root, self.storage_options)
-        for _, ids in plan:
+        for batch, ids in plan:
             samples = []
             for sample_id in ids:
                 shard = int(np.searchsorted(self.first_id, sample_id, side="right")) - 1
-                index = int(sample_id - self.first_id[shard])
                 try:
-                    samples.append(self._load(fs, base, shard, index, epoch))
+                    samples.append(self._load(fs, base, shard, int(sample_id - self.first_id[shard]), epoch))
                 except ShardstreamError as exc:
                     if cfg.on_error == "raise":
-                        if info is None:
-                            raise
-                        exc.add_note(f"in DataLoader worker {info.id}:\n{traceback.format_exc()}")
-                        yield _WorkerError(exc)
-                        return
+                        raise
                     self.skipped[world.worker] += 1
                     log.warning("skipped: %s", exc)
             if not samples:
-                raise SampleError(self.urls[0], "-", None, "every sample of a batch failed; cannot keep ranks in step")
+                raise ShardError(self.root, f"all {len(ids)} samples of batch {batch} failed; ranks cannot stay in step")
             yield self.kind.collate(samples, self.options)
 
     def _load(self, fs: Any, base: str, shard: int, index: int, epoch: int) -> dict[str, Any]:
-        url, key = self.urls[shard], self.keys[shard][index]
+        name, key = self.names[shard], self.keys[shard][index]
+        url = join(self.root, name)
         start, end = self.offsets[shard][index : index + 2]
-        data = read_range(fs, join(base, self.names[shard]), url, int(start), int(end))
+        data = read_range(fs, join(base, name), url, int(start), int(end))
         members = parse_sample(data, url, key)
         return self.kind.decode(members, self.options, seed=self.config.seed, epoch=epoch, url=url, key=key)
 

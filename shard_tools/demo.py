@@ -36,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _step(f"1/4 building {args.images} SA-1B-shaped images (750x1125, 60-120 masks each) in {src}")
     started = time.perf_counter()
+    shutil.rmtree(src, ignore_errors=True)
     archives = write_sa1b(src, images=args.images, size=(750, 1125), masks=(60, 120), images_per_archive=8,
                           workers=args.workers)
     print(f"wrote {', '.join(p.name for p in archives)} in {time.perf_counter() - started:.1f} s")
@@ -69,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             masks += int(batch["mask_counts"].sum())
         seconds = time.perf_counter() - started
         print(f"epoch {epoch}: {len(loader)} batches, {samples} samples, {masks} masks in {seconds:.2f} s "
-              f"({samples / seconds:.1f} samples/s); last batch {batch["keys"]}")
+              f"({samples / seconds:.1f} samples/s); last batch {batch['keys']}")
     print("\ndemo done: packed, verified and streamed. The benchmark on SA-1B-sized images: make bench")
     return 0
 

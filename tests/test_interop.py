@@ -13,7 +13,7 @@ from pipeline.format import Manifest, decode_array
 
 def test_stock_webdataset_reads_the_shards(sa1b_dataset):
     manifest = Manifest.from_json((pathlib.Path(sa1b_dataset) / "manifest.json").read_bytes(), "m")
-    for split, shards in manifest.splits.items():
+    for shards in manifest.splits.values():
         urls = [str(pathlib.Path(sa1b_dataset) / s.name) for s in shards]
         samples = list(webdataset.WebDataset(urls, shardshuffle=False))
         assert [s["__key__"] for s in samples] == [k for s in shards for k in s.keys]

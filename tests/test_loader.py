@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from pycocotools import mask as mask_utils
 
-from pipeline import SampleError, make_stream_loader, validate_first_batch
+from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
 from pipeline.format import Manifest
 from pipeline.rle import fit, nearest_index
 from pipeline.sa1b import Sa1bOptions, check_batch, choose_masks
@@ -259,3 +259,10 @@ def test_cuda_batches_are_on_the_device(sa1b_dataset):
     got = _epoch(loader)
     assert all(t.is_cuda for b in got for t in b.values() if isinstance(t, torch.Tensor))
     _same([{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in got], cpu)
+
+
+def test_a_batch_with_no_good_sample_is_an_error_even_when_skipping(corrupted):
+    root, _, key = corrupted
+    loader = make_stream_loader(root, "train", batch_size=1, num_workers=2, shuffle=False, on_error="skip", **SMALL)
+    with pytest.raises(ShardError, match="all 1 samples of batch 1 failed"):
+        _epoch(loader)

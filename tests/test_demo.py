@@ -1,0 +1,11 @@
+"""`make demo` runs shard_tools.demo: it must keep working end to end."""
+
+from __future__ import annotations
+
+from shard_tools import demo
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    assert demo.main(["--work", str(tmp_path), "--images", "12", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "verify: OK" in out and "epoch 2:" in out and "demo done" in out
