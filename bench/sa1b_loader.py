@@ -7,7 +7,7 @@
     decodes every mask with pycocotools at full resolution, then samples 64 and resizes them;
     full-resolution JPEG decode; same DataLoader settings.
 (c) floor: only the decode work the batch needs (JPEG at reduced scale + the 64 sampled masks
-    rasterised at 256), in one process, on bytes already in memory, times the cores.
+    rasterised at 256), in one single-threaded process, on bytes already in memory, times the cores.
 Each runs in its own subprocess so its peak memory is its own. Timings are medians over epochs
 (after a warm-up epoch); compare them as ratios within one run, never across machines.
 """
@@ -122,13 +122,16 @@ def run_naive(data: pathlib.Path, workers: int, samples: int) -> dict:
     return {"rate": n / (time.perf_counter() - start), "peak_mb": _peak_mb()}
 
 
-def run_floor(data: pathlib.Path, cores: int, samples: int) -> dict:
-    from pipeline.format import Manifest
+def run_floor(data: pathlib.Path, cores: int) -> dict:
+    """One core's decode rate over the loader's own samples (total time, median of 3 passes) x cores."""
+    import torch
+
+    from pipeline.format import Manifest, unpack_record
     from pipeline.rle import fit, raster
     from pipeline.sa1b import choose_masks, decode_image
-    from pipeline.format import unpack_record
     from pipeline.tario import parse_sample
 
+    torch.set_num_threads(1)  # as in a DataLoader worker: the floor is one core's work
     manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
     work = []
     for shard in manifest.splits["train"]:
@@ -137,15 +140,15 @@ def run_floor(data: pathlib.Path, cores: int, samples: int) -> dict:
             members = parse_sample(blob[shard.offsets[i] : shard.offsets[i + 1]], shard.name, key)
             record = unpack_record(members["msgpack"])
             work.append((key, members["jpg"], record["counts"], record["image"]["height"], record["image"]["width"]))
-    work = work[:samples]
-    times = []
-    for key, jpg, counts, height, width in work:
+    passes = []
+    for _ in range(3):
         start = time.perf_counter()
-        decode_image(jpg, fit(height, width, SETTINGS["image_size"]), "m", key)
-        chosen = choose_masks(len(counts), SETTINGS["max_masks"], 0, 0, key)
-        raster([counts[i] for i in chosen], (height, width), fit(height, width, SETTINGS["mask_size"]))
-        times.append(time.perf_counter() - start)
-    per_sample = statistics.median(times)
+        for key, jpg, counts, height, width in work:
+            decode_image(jpg, fit(height, width, SETTINGS["image_size"]), "m", key)
+            chosen = choose_masks(len(counts), SETTINGS["max_masks"], 0, 0, key)
+            raster([counts[i] for i in chosen], (height, width), fit(height, width, SETTINGS["mask_size"]))
+        passes.append((time.perf_counter() - start) / len(work))
+    per_sample = statistics.median(passes)
     return {"rate": cores / per_sample, "per_sample_ms": per_sample * 1000, "peak_mb": _peak_mb()}
 
 
@@ -168,7 +171,7 @@ def main() -> None:
     if args.only:
         run = {"loader": lambda: run_loader(args.data, args.workers, args.epochs),
                "naive": lambda: run_naive(args.data, args.workers, args.naive_samples),
-               "floor": lambda: run_floor(args.data, args.workers, 48)}[args.only]
+               "floor": lambda: run_floor(args.data, args.workers)}[args.only]
         print(json.dumps(run()))
         return
 
