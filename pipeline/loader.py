@@ -17,13 +17,17 @@ from pipeline.device import prefetch_to_cuda, to_device
 from pipeline.errors import ShardError, ShardstreamError
 from pipeline.format import Manifest
 from pipeline.kinds import KINDS
-from pipeline.plan import World, plan_epoch, rank_batch_sizes
+from pipeline.plan import Resume, World, plan_epoch, rank_positions
 from pipeline.storage import filesystem, join, read_manifest, read_range
 from pipeline.tario import parse_sample
 
 __all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "validate_first_batch"]
 
 log = logging.getLogger(__name__)
+STATE_VERSION = 1
+_MAX_STRETCHES = 16  # resumptions within one epoch
+# Settings a saved state must share with the loader that resumes it: they decide the samples' order.
+_ORDER_SETTINGS = ("seed", "batch_size", "drop_last", "shuffle", "shuffle_window")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,25 +73,47 @@ class _ShardStream(IterableDataset):
         self.options, self.config = options, config
         self.rank, self.world_size = rank, world_size
         self.storage_options = storage_options
-        # Shared with the workers (fork or spawn): the epoch, set by the main process, and skip counts.
-        self.epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+        # Shared with the workers (fork or spawn), set by the main process: the epoch, then the
+        # epoch's resumption history (count, then world_size and batches per stretch).
+        self.state = torch.zeros(2 + 2 * _MAX_STRETCHES, dtype=torch.int64).share_memory_()
         self.skipped = torch.zeros(max(1, config.num_workers), dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self.state[0])
+
+    @property
+    def history(self) -> tuple[Resume, ...]:
+        pairs = self.state[2 : 2 + 2 * int(self.state[1])].tolist()
+        return tuple(Resume(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
+
+    def set_state(self, epoch: int, history: tuple[Resume, ...]) -> None:
+        if len(history) > _MAX_STRETCHES:
+            raise ValueError(f"an epoch can be resumed at most {_MAX_STRETCHES} times")
+        values = [epoch, len(history)] + [v for h in history for v in (h.world_size, h.batches)]
+        self.state.zero_()
+        self.state[: len(values)] = torch.tensor(values, dtype=torch.int64)
+
+    def batches(self) -> int:
+        """How many batches this rank yields in the next iteration (all of the epoch, or the rest)."""
+        c = self.config
+        return len(rank_positions(sum(self.sizes), self.world_size, self.rank, c.batch_size, c.drop_last, self.history))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         world = World(self.rank, self.world_size, info.id if info else 0, info.num_workers if info else 1)
         try:
-            yield from self._batches(world, int(self.epoch[0]))
+            yield from self._batches(world, self.epoch, self.history)
         except ShardstreamError as exc:
             if info is None:
                 raise
             exc.add_note(f"in DataLoader worker {info.id}:\n{traceback.format_exc()}")
             yield _WorkerError(exc)
 
-    def _batches(self, world: World, epoch: int) -> Iterator[dict[str, Any]]:
+    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...]) -> Iterator[dict[str, Any]]:
         cfg = self.config
         plan = plan_epoch(self.sizes, cfg.seed, epoch, world, batch_size=cfg.batch_size, drop_last=cfg.drop_last,
-                          shuffle=cfg.shuffle, window=cfg.shuffle_window)
+                          shuffle=cfg.shuffle, window=cfg.shuffle_window, history=history)
         fs, base = filesystem(self.root, self.storage_options)
         for batch, ids in plan:
             samples = []
@@ -114,22 +140,28 @@ class _ShardStream(IterableDataset):
 
 
 class StreamLoader:
-    """Iterable over batches of one split; `len()` is this process's exact batch count per epoch."""
+    """Iterable over batches of one split; `len()` is the exact number of batches the next `iter()` yields."""
 
-    def __init__(self, stream: _ShardStream, loader: DataLoader, device: torch.device | None, batches: int,
-                 manifest: Manifest) -> None:
-        self._stream, self._loader, self.device, self._batches = stream, loader, device, batches
-        self.manifest = manifest
+    def __init__(self, stream: _ShardStream, loader: DataLoader, device: torch.device | None, manifest: Manifest,
+                 split: str) -> None:
+        self._stream, self._loader, self.device = stream, loader, device
+        self.manifest, self.split = manifest, split
+        self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
 
     @property
     def epoch(self) -> int:
-        return int(self._stream.epoch[0])
+        return self._stream.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next `iter()` plays (its shuffle and mask sampling). Call before iterating."""
+        """Select the epoch the next `iter()` plays (its shuffle and mask sampling). Call before iterating.
+
+        After `load_state_dict`, setting the saved epoch keeps the resumption point; any other epoch
+        starts from its beginning."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._stream.epoch[0] = epoch
+        if epoch != self.epoch:
+            self._stream.set_state(epoch, ())
+            self._taken = ()
 
     @property
     def skipped(self) -> int:
@@ -137,16 +169,62 @@ class StreamLoader:
         return int(self._stream.skipped.sum())
 
     def __len__(self) -> int:
-        return self._batches
+        return self._stream.batches()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        stream = self._stream
+        history, world_size = stream.history, stream.world_size
         batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._loader)
         if self.device is not None and self.device.type == "cuda":
             batches = prefetch_to_cuda(batches, self.device)
         elif self.device is not None:
             batches = (to_device(b, self.device) for b in batches)
-        kind, options = self._stream.kind, self._stream.options
-        return (kind.finish(b, options) for b in batches)
+        done = history[-1].batches if history and history[-1].world_size == world_size else 0
+        past = history[:-1] if done else history
+        self._taken = (*past, Resume(world_size, done))
+        for batch in batches:
+            yield stream.kind.finish(batch, stream.options)
+            done += 1
+            self._taken = (*past, Resume(world_size, done))
+        stream.set_state(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this epoch stands, as plain data (no samples): save it with the model's checkpoint.
+
+        In DDP the ranks move in step, so every rank's state is the same but for `rank`; save rank
+        0's and load it on every rank, in a world of any size."""
+        config = self._stream.config
+        taken = self._taken or self._stream.history
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self.manifest.fingerprint,
+            "split": self.split,
+            **{name: getattr(config, name) for name in _ORDER_SETTINGS},
+            "epoch": self.epoch,
+            "history": [[t.world_size, t.batches] for t in taken],
+            "rank": self._stream.rank,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict()`: the rest of its epoch, then the following epochs.
+
+        In the same world the remaining batches equal those of an uninterrupted run; with another
+        world size, the samples no rank had taken are split over the new world. A state of another
+        dataset, split or ordering settings is refused."""
+        config = self._stream.config
+        expected = {"version": STATE_VERSION, "fingerprint": self.manifest.fingerprint, "split": self.split,
+                    **{name: getattr(config, name) for name in _ORDER_SETTINGS}}
+        for name, value in expected.items():
+            if state.get(name) != value:
+                raise ValueError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
+        try:
+            history = tuple(Resume(int(w), int(b)) for w, b in state["history"])
+            epoch = int(state["epoch"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"cannot resume: malformed state ({exc})") from exc
+        self._stream.set_state(epoch, history)
+        self._taken = ()
+        self._stream.batches()  # refuse now a history this dataset cannot have
 
 
 def _raise_worker_errors(batch: Any) -> dict[str, Any]:
@@ -207,14 +285,12 @@ def make_stream_loader(
     if split not in manifest.splits:
         raise ValueError(f"{source}: no split {split!r}; the dataset has {sorted(manifest.splits)}")
     options = KINDS[manifest.kind].options(image_size=image_size, mask_size=mask_size, max_masks=max_masks)
-    total = manifest.samples(split)
-    batches = len(rank_batch_sizes(total, world.world_size, world.rank, batch_size, drop_last)[1])
-    if batches == 0:
-        raise ValueError(
-            f"{source}: split {split!r} has {total} samples, too few for one batch of {batch_size} "
-            f"on each of {world.world_size} ranks with drop_last=True"
-        )
     stream = _ShardStream(source, manifest, split, options, config, world.rank, world.world_size, storage_options)
+    if stream.batches() == 0:
+        raise ValueError(
+            f"{source}: split {split!r} has {manifest.samples(split)} samples, too few for one batch of "
+            f"{batch_size} on each of {world.world_size} ranks with drop_last=True"
+        )
     loader = DataLoader(
         stream,
         batch_size=None,
@@ -224,7 +300,7 @@ def make_stream_loader(
         persistent_workers=bool(num_workers) if persistent_workers is None else persistent_workers,
         multiprocessing_context=multiprocessing_context if num_workers else None,
     )
-    return StreamLoader(stream, loader, resolved, batches, manifest)
+    return StreamLoader(stream, loader, resolved, manifest, split)
 
 
 def validate_first_batch(loader: StreamLoader) -> dict[str, Any]:

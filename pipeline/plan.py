@@ -11,6 +11,8 @@
 - Workers: worker w of W yields the rank's batches w, w + W, ... The DataLoader takes batches
   from its workers round-robin, so a rank yields the same batches in the same order for any
   number of workers (and for persistent or fresh workers).
+- Resumption: an epoch's history of `Resume` stretches. The same world continues each rank's
+  own batches; another world size splits the positions no rank had taken over the new world.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["World", "PlanError", "rank_batch_sizes", "epoch_order", "plan_epoch"]
+__all__ = ["World", "Resume", "PlanError", "rank_batch_sizes", "rank_positions", "epoch_order", "plan_epoch"]
 
 _SHARD_ORDER, _WINDOW_ORDER = 1, 2  # SeedSequence purposes
 
@@ -66,24 +68,66 @@ def rank_batch_sizes(total: int, world_size: int, rank: int, batch_size: int, dr
     return rank * share + min(rank, extra), sizes
 
 
-def epoch_order(sizes: Sequence[int], seed: int, epoch: int, shuffle: bool, window: int, start: int, stop: int) -> np.ndarray:
-    """Global sample ids (shard-major numbering) at positions [start, stop) of the epoch order."""
-    if not shuffle:
-        return np.arange(start, stop, dtype=np.int64)
+def epoch_order(sizes: Sequence[int], seed: int, epoch: int, shuffle: bool, window: int, positions: np.ndarray) -> np.ndarray:
+    """Global sample ids (shard-major numbering) at the given positions of the epoch's order."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if not shuffle or positions.size == 0:
+        return positions.copy()
     counts = np.asarray(sizes, dtype=np.int64)
     total = int(counts.sum())
     perm = np.random.default_rng([seed, epoch, _SHARD_ORDER]).permutation(counts.size)
     first_id = np.concatenate(([0], np.cumsum(counts)[:-1]))
     seq_start = np.concatenate(([0], np.cumsum(counts[perm])[:-1]))
-    if stop <= start:
-        return np.zeros(0, np.int64)
-    lo, hi = start // window, -(-stop // window)
-    positions = np.concatenate([
-        w * window + np.random.default_rng([seed, epoch, _WINDOW_ORDER, w]).permutation(min(window, total - w * window))
-        for w in range(lo, hi)
-    ])[start - lo * window : stop - lo * window]
-    shard = np.searchsorted(seq_start, positions, side="right") - 1  # skips empty shards
-    return first_id[perm[shard]] + positions - seq_start[shard]
+    windows = positions // window
+    order = np.argsort(windows, kind="stable")
+    sequence = np.empty_like(positions)  # position in the shard-permuted sequence of all samples
+    for group in np.split(order, np.flatnonzero(np.diff(windows[order])) + 1):
+        w = int(windows[group[0]])
+        within = np.random.default_rng([seed, epoch, _WINDOW_ORDER, w]).permutation(min(window, total - w * window))
+        sequence[group] = w * window + within[positions[group] - w * window]
+    shard = np.searchsorted(seq_start, sequence, side="right") - 1  # skips empty shards
+    return first_id[perm[shard]] + sequence - seq_start[shard]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """One stretch of an epoch run in one world: every rank of `world_size` took `batches` batches."""
+
+    world_size: int
+    batches: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.batches < 0:
+            raise ValueError(f"invalid resume point {self}")
+
+
+def _split(positions: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    return np.split(positions[: sum(sizes)], np.cumsum(sizes)[:-1]) if sizes else []
+
+
+def rank_positions(total: int, world_size: int, rank: int, batch_size: int, drop_last: bool,
+                   history: Sequence[Resume] = ()) -> list[np.ndarray]:
+    """The epoch-order positions of each batch `rank` yields, in order, after the epoch's `history`.
+
+    Each stretch of the history split the positions still remaining over its world and took the
+    first `batches` batches of every rank. Resuming in the world of the last stretch, a rank
+    yields the rest of its own batches: exactly what an uninterrupted run would have. In another
+    world, the remaining positions are split afresh, by the same rules (equal batch counts).
+    """
+    remaining = np.arange(total, dtype=np.int64)
+    for i, stretch in enumerate(history):
+        split = []
+        for r in range(stretch.world_size):
+            start, sizes = rank_batch_sizes(remaining.size, stretch.world_size, r, batch_size, drop_last)
+            if stretch.batches > len(sizes):
+                raise PlanError(f"cannot resume after batch {stretch.batches}: the epoch has {len(sizes)} batches per rank")
+            split.append(_split(remaining[start:], sizes))
+        if i == len(history) - 1 and stretch.world_size == world_size:
+            return split[rank][stretch.batches :]
+        taken = [p for batches in split for p in batches[: stretch.batches]]
+        remaining = np.setdiff1d(remaining, np.concatenate(taken)) if taken else remaining
+    start, sizes = rank_batch_sizes(remaining.size, world_size, rank, batch_size, drop_last)
+    return _split(remaining[start:], sizes)
 
 
 def plan_epoch(
@@ -96,11 +140,13 @@ def plan_epoch(
     drop_last: bool = True,
     shuffle: bool = True,
     window: int = 16384,
+    history: Sequence[Resume] = (),
 ) -> list[tuple[int, np.ndarray]]:
-    """(batch index within the rank, global sample ids) for each batch `world`'s worker yields, in order."""
+    """(batch index in this iteration of the rank, global sample ids) of each batch `world`'s worker yields."""
     if seed < 0 or epoch < 0 or batch_size < 1 or window < 1:
         raise ValueError(f"need seed >= 0, epoch >= 0, batch_size >= 1, window >= 1; got {seed}, {epoch}, {batch_size}, {window}")
-    start, batch_sizes = rank_batch_sizes(sum(sizes), world.world_size, world.rank, batch_size, drop_last)
-    ids = epoch_order(sizes, seed, epoch, shuffle, window, start, start + sum(batch_sizes))
-    bounds = np.cumsum([0] + batch_sizes)
-    return [(b, ids[bounds[b] : bounds[b + 1]]) for b in range(world.worker, len(batch_sizes), world.num_workers)]
+    batches = rank_positions(sum(sizes), world.world_size, world.rank, batch_size, drop_last, history)
+    mine = batches[world.worker :: world.num_workers]
+    ids = epoch_order(sizes, seed, epoch, shuffle, window, np.concatenate(mine) if mine else np.zeros(0, np.int64))
+    bounds = np.cumsum([0] + [len(b) for b in mine])
+    return [(world.worker + i * world.num_workers, ids[bounds[i] : bounds[i + 1]]) for i in range(len(mine))]

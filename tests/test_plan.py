@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.plan import PlanError, World, epoch_order, plan_epoch, rank_batch_sizes
+from pipeline.plan import PlanError, Resume, World, epoch_order, plan_epoch, rank_batch_sizes, rank_positions
 
 SIZES = {
     "fewer shards than workers": [9],
@@ -77,18 +77,18 @@ def test_rank_batch_count_matches_plan():
 
 def test_shuffle_is_deterministic_and_changes_with_epoch_and_seed():
     sizes = [50, 30, 20]
-    order = lambda seed, epoch: epoch_order(sizes, seed, epoch, True, 16, 0, 100).tolist()  # noqa: E731
+    order = lambda seed, epoch: epoch_order(sizes, seed, epoch, True, 16, np.arange(100)).tolist()  # noqa: E731
     assert order(0, 0) == order(0, 0)
     assert sorted(order(0, 0)) == list(range(100))
     assert order(0, 0) != order(0, 1) != order(0, 2)
     assert order(0, 0) != order(1, 0)
-    assert epoch_order(sizes, 0, 0, False, 16, 10, 20).tolist() == list(range(10, 20))
+    assert epoch_order(sizes, 0, 0, False, 16, np.arange(10, 20)).tolist() == list(range(10, 20))
 
 
 def test_shuffle_window_keeps_locality():
     """Within a window the samples come from few shards: consecutive windows of the shard sequence."""
     sizes = [10] * 10
-    ids = epoch_order(sizes, 0, 0, True, 10, 0, 100)
+    ids = epoch_order(sizes, 0, 0, True, 10, np.arange(100))
     for w in range(10):
         shards = set((ids[w * 10 : (w + 1) * 10] // 10).tolist())
         assert len(shards) <= 2
@@ -99,11 +99,10 @@ def test_shuffle_window_keeps_locality():
        seed=st.integers(0, 2**31), epoch=st.integers(0, 1000), data=st.data())
 def test_order_is_a_permutation_and_slices_agree(sizes, window, seed, epoch, data):
     total = sum(sizes)
-    whole = epoch_order(sizes, seed, epoch, True, window, 0, total)
+    whole = epoch_order(sizes, seed, epoch, True, window, np.arange(total))
     assert sorted(whole.tolist()) == list(range(total))
-    start = data.draw(st.integers(0, total))
-    stop = data.draw(st.integers(start, total))
-    np.testing.assert_array_equal(epoch_order(sizes, seed, epoch, True, window, start, stop), whole[start:stop])
+    picked = np.array(data.draw(st.lists(st.integers(0, max(total - 1, 0)), max_size=total)) if total else [], dtype=np.int64)
+    np.testing.assert_array_equal(epoch_order(sizes, seed, epoch, True, window, picked), whole[picked])
 
 
 def test_invalid_arguments():
@@ -115,3 +114,53 @@ def test_invalid_arguments():
         plan_epoch([3], -1, 0, World(), batch_size=1)
     with pytest.raises(PlanError, match="drop_last=True"):
         rank_batch_sizes(3, 4, 3, 2, drop_last=False)
+
+
+def _rank_runs(total, world_size, batch_size, drop_last, history=()):
+    return [rank_positions(total, world_size, r, batch_size, drop_last, history) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_resuming_in_the_same_world_continues_each_rank(drop_last):
+    for total, world_size, batch_size in itertools.product((7, 20, 33), (1, 2, 3), (1, 2, 4)):
+        try:
+            full = _rank_runs(total, world_size, batch_size, drop_last)
+        except PlanError:
+            continue
+        for k in range(len(full[0]) + 1):
+            resumed = _rank_runs(total, world_size, batch_size, drop_last, (Resume(world_size, k),))
+            for r in range(world_size):
+                assert [b.tolist() for b in resumed[r]] == [b.tolist() for b in full[r][k:]]
+        with pytest.raises(PlanError, match="cannot resume"):
+            _rank_runs(total, world_size, batch_size, drop_last, (Resume(world_size, len(full[0]) + 1),))
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_elastic_resumption_takes_every_sample_once(drop_last):
+    """Stop after k batches in one world, finish in another (and another): nothing twice, nothing lost."""
+    for total, batch_size in itertools.product((23, 40), (2, 3)):
+        for worlds in [(2, 1), (1, 2), (2, 3), (3, 2, 1), (1, 4)]:
+            try:
+                first = _rank_runs(total, worlds[0], batch_size, drop_last)
+            except PlanError:
+                continue
+            for k in range(len(first[0]) + 1):
+                history, seen, ok = [], [], True
+                for i, world_size in enumerate(worlds):
+                    try:
+                        runs = _rank_runs(total, world_size, batch_size, drop_last, tuple(history))
+                    except PlanError:
+                        ok = False
+                        break
+                    assert len({len(r) for r in runs}) == 1, "equal batch counts in every world"
+                    take = k if i < len(worlds) - 1 else len(runs[0])
+                    take = min(take, len(runs[0]))
+                    seen += [p for r in runs for b in r[:take] for p in b.tolist()]
+                    history.append(Resume(world_size, take))
+                if not ok:
+                    continue
+                assert len(seen) == len(set(seen)), (worlds, k)
+                if drop_last:
+                    assert total - len(seen) < worlds[-1] * batch_size, "only the last split drops"
+                else:
+                    assert sorted(seen) == list(range(total)), (worlds, k)

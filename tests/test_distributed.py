@@ -1,0 +1,57 @@
+"""Real torch.distributed: 2 gloo processes on loopback x 2 DataLoader workers each."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipeline import make_stream_loader
+from pipeline.format import Manifest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world_size: int, port: int, root: str, out: str, shuffle: bool, drop_last: bool) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, shuffle=shuffle, drop_last=drop_last,
+                                    image_size=32, mask_size=8, max_masks=2, seed=3)
+        loader.set_epoch(1)
+        batches = [b["keys"] for b in loader]
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, {"batches": batches, "len": len(loader), "state": loader.state_dict()})
+        dist.barrier()  # a step all ranks must reach: would hang on unequal batch counts
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("shuffle", "drop_last"), [(True, True), (False, False)])
+def test_two_ranks_two_workers_each_sample_once(sa1b_dataset, tmp_path, shuffle, drop_last):
+    out = str(tmp_path / "ranks.json")
+    mp.spawn(_rank, args=(2, _free_port(), sa1b_dataset, out, shuffle, drop_last), nprocs=2, join=True)
+    with open(out) as f:
+        ranks = json.load(f)
+    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
+    split = [k for s in manifest.splits["train"] for k in s.keys]
+    keys = [k for r in ranks for b in r["batches"] for k in b]
+    assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) == ranks[0]["len"] == ranks[1]["len"] > 0
+    assert len(keys) == len(set(keys))
+    if drop_last:
+        assert set(keys) <= set(split) and len(split) - len(keys) < 2 * 2
+    else:
+        assert sorted(keys) == sorted(split)
+    assert ranks[0]["state"]["history"] == ranks[1]["state"]["history"] == [[2, ranks[0]["len"]]]

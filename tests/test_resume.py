@@ -1,0 +1,120 @@
+"""Mid-epoch resumption through the loader: equal to an uninterrupted run, in any world."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from pipeline import make_stream_loader
+
+SMALL = dict(image_size=48, mask_size=16, max_masks=3)
+
+
+def _loader(root, **kw):
+    return make_stream_loader(root, "train", **{"batch_size": 2, "num_workers": 0, "seed": 5, **SMALL, **kw})
+
+
+def _keys(batches):
+    return [b["keys"] for b in batches]
+
+
+def _assert_same(got, expected):
+    assert _keys(got) == _keys(expected)
+    for a, b in zip(got, expected):
+        for name, value in a.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, b[name]), name
+
+
+def _run(loader, epoch, stop=None):
+    loader.set_epoch(epoch)
+    batches = []
+    for batch in loader:
+        if stop is not None and len(batches) == stop:
+            break
+        batches.append(batch)
+    return batches
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, None), (2, True), (2, False)])
+def test_resume_equals_uninterrupted(sa1b_dataset, workers, persistent):
+    full = _run(_loader(sa1b_dataset), 3)
+    for k in (0, 1, len(full) - 1, len(full)):
+        first = _loader(sa1b_dataset, num_workers=workers, persistent_workers=persistent)
+        assert _keys(_run(first, 3, stop=k)) == _keys(full[:k])
+        state = first.state_dict()
+        assert state["epoch"] == 3 and state["history"] == [[1, k]]
+        resumed = _loader(sa1b_dataset, num_workers=workers, persistent_workers=persistent)
+        resumed.load_state_dict(state)
+        assert len(resumed) == len(full) - k
+        _assert_same(_run(resumed, 3), full[k:])
+        assert len(resumed) == len(full), "once the epoch is done, it plays whole again"
+        _assert_same(_run(resumed, 4), _run(_loader(sa1b_dataset), 4))
+
+
+def test_resume_across_the_epoch_boundary(sa1b_dataset):
+    loader = _loader(sa1b_dataset, num_workers=2)
+    _run(loader, 0)
+    state = loader.state_dict()  # saved after the last batch of epoch 0
+    resumed = _loader(sa1b_dataset, num_workers=2)
+    resumed.load_state_dict(state)
+    assert _run(resumed, 0) == [] and len(resumed) == len(loader)
+    _assert_same(_run(resumed, 1), _run(_loader(sa1b_dataset), 1))
+
+
+def _resume_in_fresh_process(root, state, queue):
+    loader = _loader(root, num_workers=2)
+    loader.load_state_dict(state)
+    queue.put(_keys(_run(loader, state["epoch"])))
+
+
+def test_resume_in_a_fresh_process(sa1b_dataset):
+    full = _keys(_run(_loader(sa1b_dataset), 2))
+    first = _loader(sa1b_dataset)
+    _run(first, 2, stop=2)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_resume_in_fresh_process, args=(sa1b_dataset, first.state_dict(), queue))
+    process.start()
+    assert queue.get(timeout=120) == full[2:]
+    process.join(timeout=60)
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (3, 2)])
+def test_elastic_resume_takes_every_sample_once(sa1b_dataset, before, after):
+    split = sorted(k for s in _loader(sa1b_dataset).manifest.splits["train"] for k in s.keys)
+    loaders = [_loader(sa1b_dataset, rank=r, world_size=before, drop_last=False) for r in range(before)]
+    seen = [k for loader in loaders for b in _run(loader, 1, stop=1) for k in b["keys"]]
+    state = loaders[0].state_dict()
+    assert all(loader.state_dict()["history"] == state["history"] for loader in loaders), "ranks move in step"
+    resumed = [_loader(sa1b_dataset, rank=r, world_size=after, drop_last=False) for r in range(after)]
+    counts = set()
+    for loader in resumed:
+        loader.load_state_dict(state)
+        batches = _run(loader, 1)
+        counts.add(len(batches))
+        seen += [k for b in batches for k in b["keys"]]
+    assert len(counts) == 1
+    assert sorted(seen) == split
+
+
+def test_mismatched_state_is_refused(sa1b_dataset, sa1b_src, tmp_path):
+    from shard_tools.pack import PackOptions, pack
+    from shard_tools.sa1b import Sa1bSource
+
+    state = _loader(sa1b_dataset).state_dict()
+    with pytest.raises(ValueError, match="batch_size"):
+        _loader(sa1b_dataset, batch_size=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        _loader(sa1b_dataset, seed=6).load_state_dict(state)
+    with pytest.raises(ValueError, match="split"):
+        make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, seed=5, **SMALL).load_state_dict(state)
+    pack(Sa1bSource(), [str(sa1b_src)], str(tmp_path), PackOptions(shard_samples=5), progress=False)
+    with pytest.raises(ValueError, match="fingerprint"):
+        _loader(str(tmp_path)).load_state_dict(state)
+    with pytest.raises(ValueError, match="malformed"):
+        _loader(sa1b_dataset).load_state_dict({**state, "history": [["x"]]})
+    with pytest.raises(Exception, match="cannot resume after batch"):
+        _loader(sa1b_dataset).load_state_dict({**state, "history": [[1, 999]]})
