@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ from pipeline.device import prefetch_to_cuda, to_device
 from pipeline.errors import ShardError, ShardstreamError
 from pipeline.format import Manifest
 from pipeline.kinds import KINDS
-from pipeline.plan import Resume, World, plan_epoch, rank_positions
+from pipeline.plan import Mix, Resume, World, plan_epoch, rank_positions
 from pipeline.storage import filesystem, join, read_manifest, read_range
 from pipeline.tario import parse_sample
 
@@ -58,18 +60,34 @@ class _WorkerError:
     error: ShardstreamError
 
 
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """One dataset's split, as the reader needs it: shard names, keys and byte offsets."""
+
+    root: str
+    names: tuple[str, ...]
+    keys: tuple[tuple[str, ...], ...]
+    offsets: tuple[np.ndarray, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, root: str, manifest: Manifest, split: str) -> _Source:
+        shards = manifest.splits[split]
+        return cls(root, tuple(s.name for s in shards), tuple(s.keys for s in shards),
+                   tuple(np.asarray(s.offsets, dtype=np.int64) for s in shards), tuple(s.samples for s in shards))
+
+    @property
+    def first_id(self) -> np.ndarray:
+        return np.concatenate(([0], np.cumsum(self.sizes)[:-1])).astype(np.int64)
+
+
 class _ShardStream(IterableDataset):
     """Yields this worker's collated batches of one split for the epoch held in shared memory."""
 
-    def __init__(self, root: str, manifest: Manifest, split: str, options: Any, config: LoaderConfig,
+    def __init__(self, sources: list[_Source], mix: Mix | None, kind: str, options: Any, config: LoaderConfig,
                  rank: int, world_size: int, storage_options: dict[str, Any] | None) -> None:
-        shards = manifest.splits[split]
-        self.root, self.names = root, [s.name for s in shards]
-        self.keys = [s.keys for s in shards]
-        self.offsets = [np.asarray(s.offsets, dtype=np.int64) for s in shards]
-        self.sizes = [s.samples for s in shards]
-        self.first_id = np.concatenate(([0], np.cumsum(self.sizes)[:-1])).astype(np.int64)
-        self.kind = KINDS[manifest.kind]
+        self.sources, self.mix = sources, mix
+        self.kind = KINDS[kind]
         self.options, self.config = options, config
         self.rank, self.world_size = rank, world_size
         self.storage_options = storage_options
@@ -97,7 +115,8 @@ class _ShardStream(IterableDataset):
     def batches(self) -> int:
         """How many batches this rank yields in the next iteration (all of the epoch, or the rest)."""
         c = self.config
-        return len(rank_positions(sum(self.sizes), self.world_size, self.rank, c.batch_size, c.drop_last, self.history))
+        total = sum(self.mix.counts) if self.mix else sum(self.sources[0].sizes)
+        return len(rank_positions(total, self.world_size, self.rank, c.batch_size, c.drop_last, self.history))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -112,29 +131,32 @@ class _ShardStream(IterableDataset):
 
     def _batches(self, world: World, epoch: int, history: tuple[Resume, ...]) -> Iterator[dict[str, Any]]:
         cfg = self.config
-        plan = plan_epoch(self.sizes, cfg.seed, epoch, world, batch_size=cfg.batch_size, drop_last=cfg.drop_last,
-                          shuffle=cfg.shuffle, window=cfg.shuffle_window, history=history)
-        fs, base = filesystem(self.root, self.storage_options)
-        for batch, ids in plan:
+        plan = plan_epoch([s.sizes for s in self.sources], cfg.seed, epoch, world, batch_size=cfg.batch_size,
+                          drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
+                          history=history)
+        filesystems = [filesystem(s.root, self.storage_options) for s in self.sources]
+        first_ids = [s.first_id for s in self.sources]
+        for batch, sources, ids in plan:
             samples = []
-            for sample_id in ids:
-                shard = int(np.searchsorted(self.first_id, sample_id, side="right")) - 1
+            for source, sample_id in zip(sources.tolist(), ids.tolist()):
+                shard = int(np.searchsorted(first_ids[source], sample_id, side="right")) - 1
                 try:
-                    samples.append(self._load(fs, base, shard, int(sample_id - self.first_id[shard]), epoch))
+                    samples.append(self._load(filesystems[source], self.sources[source], shard,
+                                              sample_id - int(first_ids[source][shard]), epoch))
                 except ShardstreamError as exc:
                     if cfg.on_error == "raise":
                         raise
                     self.skipped[world.worker] += 1
                     log.warning("skipped: %s", exc)
             if not samples:
-                raise ShardError(self.root, f"all {len(ids)} samples of batch {batch} failed; ranks cannot stay in step")
+                raise ShardError(self.sources[0].root, f"all {len(ids)} samples of batch {batch} failed; ranks cannot stay in step")
             yield self.kind.collate(samples, self.options)
 
-    def _load(self, fs: Any, base: str, shard: int, index: int, epoch: int) -> dict[str, Any]:
-        name, key = self.names[shard], self.keys[shard][index]
-        url = join(self.root, name)
-        start, end = self.offsets[shard][index : index + 2]
-        data = read_range(fs, join(base, name), url, int(start), int(end))
+    def _load(self, fs: tuple[Any, str], source: _Source, shard: int, index: int, epoch: int) -> dict[str, Any]:
+        (filesystem_, base), name, key = fs, source.names[shard], source.keys[shard][index]
+        url = join(source.root, name)
+        start, end = source.offsets[shard][index : index + 2]
+        data = read_range(filesystem_, join(base, name), url, int(start), int(end))
         members = parse_sample(data, url, key)
         return self.kind.decode(members, self.options, seed=self.config.seed, epoch=epoch, url=url, key=key)
 
@@ -142,10 +164,15 @@ class _ShardStream(IterableDataset):
 class StreamLoader:
     """Iterable over batches of one split; `len()` is the exact number of batches the next `iter()` yields."""
 
-    def __init__(self, stream: _ShardStream, loader: DataLoader, device: torch.device | None, manifest: Manifest,
-                 split: str) -> None:
+    def __init__(self, stream: _ShardStream, loader: DataLoader, device: torch.device | None,
+                 manifests: list[Manifest], split: str) -> None:
         self._stream, self._loader, self.device = stream, loader, device
-        self.manifest, self.split = manifest, split
+        self.manifests, self.split = manifests, split
+        self.manifest = manifests[0]
+        # What a saved state must match: the datasets and, when mixing, each one's share.
+        mix = stream.mix.counts if stream.mix else None
+        self._fingerprint = manifests[0].fingerprint if len(manifests) == 1 else hashlib.sha256(
+            json.dumps([[m.fingerprint for m in manifests], mix]).encode()).hexdigest()
         self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
 
     @property
@@ -183,9 +210,9 @@ class StreamLoader:
         past = history[:-1] if done else history
         self._taken = (*past, Resume(world_size, done))
         for batch in batches:
-            yield stream.kind.finish(batch, stream.options)
-            done += 1
+            done += 1  # counted as handed over: a checkpoint taken while the batch is in use includes it
             self._taken = (*past, Resume(world_size, done))
+            yield stream.kind.finish(batch, stream.options)
         stream.set_state(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
 
     def state_dict(self) -> dict[str, Any]:
@@ -197,7 +224,7 @@ class StreamLoader:
         taken = self._taken or self._stream.history
         return {
             "version": STATE_VERSION,
-            "fingerprint": self.manifest.fingerprint,
+            "fingerprint": self._fingerprint,
             "split": self.split,
             **{name: getattr(config, name) for name in _ORDER_SETTINGS},
             "epoch": self.epoch,
@@ -212,7 +239,7 @@ class StreamLoader:
         world size, the samples no rank had taken are split over the new world. A state of another
         dataset, split or ordering settings is refused."""
         config = self._stream.config
-        expected = {"version": STATE_VERSION, "fingerprint": self.manifest.fingerprint, "split": self.split,
+        expected = {"version": STATE_VERSION, "fingerprint": self._fingerprint, "split": self.split,
                     **{name: getattr(config, name) for name in _ORDER_SETTINGS}}
         for name, value in expected.items():
             if state.get(name) != value:
@@ -247,7 +274,7 @@ def _resolve_device(device: str | torch.device | None, pin_memory: bool | None) 
 
 
 def make_stream_loader(
-    source: str,
+    source: str | Sequence[str],
     split: str,
     *,
     batch_size: int,
@@ -268,8 +295,12 @@ def make_stream_loader(
     world_size: int | None = None,
     storage_options: dict[str, Any] | None = None,
     multiprocessing_context: str | None = None,
+    weights: Sequence[float] | None = None,
+    epoch_size: int | None = None,
 ) -> StreamLoader:
-    """A loader over `split` of the dataset at `source` (a folder written by `shard-pack`).
+    """A loader over `split` of the dataset at `source` (a folder written by `shard-pack`), or
+    of several datasets of one kind: a list of sources, concatenated or, with `weights`, mixed in
+    exact shares (`epoch_size` samples per epoch; by default the most that exhausts no source).
 
     Every sample of the split is yielded exactly once per epoch across all ranks and workers
     (but for the `drop_last` remainder), every rank yields `len(loader)` batches, and the order is
@@ -281,14 +312,22 @@ def make_stream_loader(
     if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     world = World(rank or 0, world_size or 1)
-    manifest = read_manifest(source, storage_options)
-    if split not in manifest.splits:
-        raise ValueError(f"{source}: no split {split!r}; the dataset has {sorted(manifest.splits)}")
-    options = KINDS[manifest.kind].options(image_size=image_size, mask_size=mask_size, max_masks=max_masks)
-    stream = _ShardStream(source, manifest, split, options, config, world.rank, world.world_size, storage_options)
+    roots = [source] if isinstance(source, str) else list(source)
+    manifests = [read_manifest(root, storage_options) for root in roots]
+    for root, manifest in zip(roots, manifests):
+        if split not in manifest.splits:
+            raise ValueError(f"{root}: no split {split!r}; the dataset has {sorted(manifest.splits)}")
+        if manifest.kind != manifests[0].kind:
+            raise ValueError(f"cannot mix kinds: {roots[0]} is {manifests[0].kind}, {root} is {manifest.kind}")
+    sources = [_Source.of(root, manifest, split) for root, manifest in zip(roots, manifests)]
+    mix = None if len(sources) == 1 and weights is None and epoch_size is None else \
+        Mix.of([sum(s.sizes) for s in sources], weights, epoch_size)
+    options = KINDS[manifests[0].kind].options(image_size=image_size, mask_size=mask_size, max_masks=max_masks)
+    stream = _ShardStream(sources, mix, manifests[0].kind, options, config, world.rank, world.world_size, storage_options)
     if stream.batches() == 0:
+        total = sum(mix.counts) if mix else manifests[0].samples(split)
         raise ValueError(
-            f"{source}: split {split!r} has {manifest.samples(split)} samples, too few for one batch of "
+            f"{', '.join(roots)}: split {split!r} gives {total} samples per epoch, too few for one batch of "
             f"{batch_size} on each of {world.world_size} ranks with drop_last=True"
         )
     loader = DataLoader(
@@ -300,7 +339,7 @@ def make_stream_loader(
         persistent_workers=bool(num_workers) if persistent_workers is None else persistent_workers,
         multiprocessing_context=multiprocessing_context if num_workers else None,
     )
-    return StreamLoader(stream, loader, resolved, manifest, split)
+    return StreamLoader(stream, loader, resolved, manifests, split)
 
 
 def validate_first_batch(loader: StreamLoader) -> dict[str, Any]:

@@ -11,6 +11,7 @@
 - Workers: worker w of W yields the rank's batches w, w + W, ... The DataLoader takes batches
   from its workers round-robin, so a rank yields the same batches in the same order for any
   number of workers (and for persistent or fresh workers).
+- Mixing (`Mix`): several sources, each giving an exact share of the epoch, interleaved at random.
 - Resumption: an epoch's history of `Resume` stretches. The same world continues each rank's
   own batches; another world size splits the positions no rank had taken over the new world.
 """
@@ -22,9 +23,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["World", "Resume", "PlanError", "rank_batch_sizes", "rank_positions", "epoch_order", "plan_epoch"]
+__all__ = [
+    "World", "Resume", "Mix", "PlanError", "rank_batch_sizes", "rank_positions", "epoch_order", "mixed_order", "plan_epoch",
+]
 
-_SHARD_ORDER, _WINDOW_ORDER = 1, 2  # SeedSequence purposes
+_SHARD_ORDER, _WINDOW_ORDER, _MIX_ORDER = 1, 2, 4  # SeedSequence purposes (3 is the SA-1B mask sampling)
 
 
 class PlanError(ValueError):
@@ -68,14 +71,15 @@ def rank_batch_sizes(total: int, world_size: int, rank: int, batch_size: int, dr
     return rank * share + min(rank, extra), sizes
 
 
-def epoch_order(sizes: Sequence[int], seed: int, epoch: int, shuffle: bool, window: int, positions: np.ndarray) -> np.ndarray:
-    """Global sample ids (shard-major numbering) at the given positions of the epoch's order."""
+def epoch_order(sizes: Sequence[int], entropy: Sequence[int], shuffle: bool, window: int, positions: np.ndarray) -> np.ndarray:
+    """Global sample ids (shard-major numbering) at the given positions of one source's order for
+    `entropy` ((seed, epoch), or (seed, epoch, source, pass) when mixing)."""
     positions = np.asarray(positions, dtype=np.int64)
     if not shuffle or positions.size == 0:
         return positions.copy()
     counts = np.asarray(sizes, dtype=np.int64)
     total = int(counts.sum())
-    perm = np.random.default_rng([seed, epoch, _SHARD_ORDER]).permutation(counts.size)
+    perm = np.random.default_rng([*entropy, _SHARD_ORDER]).permutation(counts.size)
     first_id = np.concatenate(([0], np.cumsum(counts)[:-1]))
     seq_start = np.concatenate(([0], np.cumsum(counts[perm])[:-1]))
     windows = positions // window
@@ -83,7 +87,7 @@ def epoch_order(sizes: Sequence[int], seed: int, epoch: int, shuffle: bool, wind
     sequence = np.empty_like(positions)  # position in the shard-permuted sequence of all samples
     for group in np.split(order, np.flatnonzero(np.diff(windows[order])) + 1):
         w = int(windows[group[0]])
-        within = np.random.default_rng([seed, epoch, _WINDOW_ORDER, w]).permutation(min(window, total - w * window))
+        within = np.random.default_rng([*entropy, _WINDOW_ORDER, w]).permutation(min(window, total - w * window))
         sequence[group] = w * window + within[positions[group] - w * window]
     shard = np.searchsorted(seq_start, sequence, side="right") - 1  # skips empty shards
     return first_id[perm[shard]] + sequence - seq_start[shard]
@@ -130,8 +134,62 @@ def rank_positions(total: int, world_size: int, rank: int, batch_size: int, drop
     return _split(remaining[start:], sizes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """Several sources in one epoch: source s gives exactly `counts[s]` samples, interleaved at random.
+
+    Within its share a source yields each sample once per pass over it; a share larger than the
+    source cycles through further passes, each in a fresh order."""
+
+    counts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, sizes: Sequence[int], weights: Sequence[float] | None, epoch_size: int | None) -> Mix:
+        """Shares for sources of `sizes` samples. Without weights, every sample once (concatenation);
+        with weights, `epoch_size` samples (default: the most that exhausts no source) split by the
+        largest-remainder rule, so the shares match the weights to within one sample."""
+        if weights is None:
+            if epoch_size is not None:
+                raise ValueError("epoch_size needs weights")
+            return cls(tuple(sizes))
+        w = np.asarray(weights, dtype=np.float64)
+        if len(w) != len(sizes) or not (np.isfinite(w).all() and (w > 0).all()):
+            raise ValueError(f"weights must be {len(sizes)} positive numbers, got {list(weights)}")
+        w = w / w.sum()
+        if epoch_size is None:
+            epoch_size = int(min(np.floor(n / f + 1e-9) for n, f in zip(sizes, w)))
+        if epoch_size < 0 or any(n == 0 for n in sizes):
+            raise ValueError(f"cannot mix sources of sizes {list(sizes)} into {epoch_size} samples")
+        exact = epoch_size * w
+        counts = np.floor(exact).astype(np.int64)
+        counts[np.argsort(-(exact - counts), kind="stable")[: epoch_size - int(counts.sum())]] += 1
+        return cls(tuple(int(c) for c in counts))
+
+
+def mixed_order(sources: Sequence[Sequence[int]], mix: Mix, seed: int, epoch: int, shuffle: bool, window: int,
+                positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source, sample id within it) at the given positions of the epoch's mixed order."""
+    labels = np.repeat(np.arange(len(sources)), mix.counts)
+    if shuffle:
+        labels = np.random.default_rng([seed, epoch, _MIX_ORDER]).permutation(labels)
+    occurrence = np.empty(labels.size, dtype=np.int64)  # how many of the same source come before
+    for s in range(len(sources)):
+        where = np.flatnonzero(labels == s)
+        occurrence[where] = np.arange(where.size)
+    source, nth = labels[positions], occurrence[positions]
+    ids = np.empty(positions.size, dtype=np.int64)
+    for s, sizes in enumerate(sources):
+        mine, total = np.flatnonzero(source == s), sum(sizes)
+        if not mine.size:
+            continue
+        for run in np.unique(nth[mine] // total):
+            sel = mine[nth[mine] // total == run]
+            ids[sel] = epoch_order(sizes, [seed, epoch, s, int(run)], shuffle, window, nth[sel] % total)
+    return source, ids
+
+
 def plan_epoch(
-    sizes: Sequence[int],
+    sources: Sequence[Sequence[int]],
     seed: int,
     epoch: int,
     world: World,
@@ -140,13 +198,22 @@ def plan_epoch(
     drop_last: bool = True,
     shuffle: bool = True,
     window: int = 16384,
+    mix: Mix | None = None,
     history: Sequence[Resume] = (),
-) -> list[tuple[int, np.ndarray]]:
-    """(batch index in this iteration of the rank, global sample ids) of each batch `world`'s worker yields."""
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(batch index in this iteration of the rank, source of each sample, sample ids within their
+    source) of each batch `world`'s worker yields. `sources` holds each source's shard sizes; one
+    source needs no `mix`."""
     if seed < 0 or epoch < 0 or batch_size < 1 or window < 1:
         raise ValueError(f"need seed >= 0, epoch >= 0, batch_size >= 1, window >= 1; got {seed}, {epoch}, {batch_size}, {window}")
-    batches = rank_positions(sum(sizes), world.world_size, world.rank, batch_size, drop_last, history)
+    total = sum(mix.counts) if mix else sum(sources[0])
+    batches = rank_positions(total, world.world_size, world.rank, batch_size, drop_last, history)
     mine = batches[world.worker :: world.num_workers]
-    ids = epoch_order(sizes, seed, epoch, shuffle, window, np.concatenate(mine) if mine else np.zeros(0, np.int64))
+    positions = np.concatenate(mine) if mine else np.zeros(0, np.int64)
+    if mix is None:
+        source, ids = np.zeros(positions.size, np.int64), epoch_order(sources[0], [seed, epoch], shuffle, window, positions)
+    else:
+        source, ids = mixed_order(sources, mix, seed, epoch, shuffle, window, positions)
     bounds = np.cumsum([0] + [len(b) for b in mine])
-    return [(world.worker + i * world.num_workers, ids[bounds[i] : bounds[i + 1]]) for i in range(len(mine))]
+    return [(world.worker + i * world.num_workers, source[bounds[i] : bounds[i + 1]], ids[bounds[i] : bounds[i + 1]])
+            for i in range(len(mine))]

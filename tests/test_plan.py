@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.plan import PlanError, Resume, World, epoch_order, plan_epoch, rank_batch_sizes, rank_positions
+from pipeline.plan import Mix, PlanError, Resume, World, epoch_order, mixed_order, plan_epoch, rank_batch_sizes, rank_positions
 
 SIZES = {
     "fewer shards than workers": [9],
@@ -24,8 +24,8 @@ def _epoch(sizes, world_size, workers, *, batch_size, drop_last, shuffle, seed=3
     ranks = []
     for rank in range(world_size):
         per_worker = [
-            plan_epoch(sizes, seed, epoch, World(rank, world_size, w, max(workers, 1)),
-                       batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, window=window)
+            [(b, ids) for b, _, ids in plan_epoch([sizes], seed, epoch, World(rank, world_size, w, max(workers, 1)),
+                                                   batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, window=window)]
             for w in range(max(workers, 1))
         ]
         merged = sorted((b for plan in per_worker for b in plan), key=lambda b: b[0])
@@ -71,24 +71,24 @@ def test_rank_batch_count_matches_plan():
             start, sizes = rank_batch_sizes(total, world_size, 0, batch_size, drop_last)
         except PlanError:
             continue
-        plan = plan_epoch([total], 0, 0, World(0, world_size), batch_size=batch_size, drop_last=drop_last)
-        assert len(plan) == len(sizes) and [len(ids) for _, ids in plan] == sizes and start == 0
+        plan = plan_epoch([[total]], 0, 0, World(0, world_size), batch_size=batch_size, drop_last=drop_last)
+        assert len(plan) == len(sizes) and [len(ids) for _, _, ids in plan] == sizes and start == 0
 
 
 def test_shuffle_is_deterministic_and_changes_with_epoch_and_seed():
     sizes = [50, 30, 20]
-    order = lambda seed, epoch: epoch_order(sizes, seed, epoch, True, 16, np.arange(100)).tolist()  # noqa: E731
+    order = lambda seed, epoch: epoch_order(sizes, [seed, epoch], True, 16, np.arange(100)).tolist()  # noqa: E731
     assert order(0, 0) == order(0, 0)
     assert sorted(order(0, 0)) == list(range(100))
     assert order(0, 0) != order(0, 1) != order(0, 2)
     assert order(0, 0) != order(1, 0)
-    assert epoch_order(sizes, 0, 0, False, 16, np.arange(10, 20)).tolist() == list(range(10, 20))
+    assert epoch_order(sizes, [0, 0], False, 16, np.arange(10, 20)).tolist() == list(range(10, 20))
 
 
 def test_shuffle_window_keeps_locality():
     """Within a window the samples come from few shards: consecutive windows of the shard sequence."""
     sizes = [10] * 10
-    ids = epoch_order(sizes, 0, 0, True, 10, np.arange(100))
+    ids = epoch_order(sizes, [0, 0], True, 10, np.arange(100))
     for w in range(10):
         shards = set((ids[w * 10 : (w + 1) * 10] // 10).tolist())
         assert len(shards) <= 2
@@ -99,10 +99,10 @@ def test_shuffle_window_keeps_locality():
        seed=st.integers(0, 2**31), epoch=st.integers(0, 1000), data=st.data())
 def test_order_is_a_permutation_and_slices_agree(sizes, window, seed, epoch, data):
     total = sum(sizes)
-    whole = epoch_order(sizes, seed, epoch, True, window, np.arange(total))
+    whole = epoch_order(sizes, [seed, epoch], True, window, np.arange(total))
     assert sorted(whole.tolist()) == list(range(total))
     picked = np.array(data.draw(st.lists(st.integers(0, max(total - 1, 0)), max_size=total)) if total else [], dtype=np.int64)
-    np.testing.assert_array_equal(epoch_order(sizes, seed, epoch, True, window, picked), whole[picked])
+    np.testing.assert_array_equal(epoch_order(sizes, [seed, epoch], True, window, picked), whole[picked])
 
 
 def test_invalid_arguments():
@@ -111,7 +111,7 @@ def test_invalid_arguments():
     with pytest.raises(ValueError, match="worker"):
         World(0, 1, 1, 1)
     with pytest.raises(ValueError, match="seed"):
-        plan_epoch([3], -1, 0, World(), batch_size=1)
+        plan_epoch([[3]], -1, 0, World(), batch_size=1)
     with pytest.raises(PlanError, match="drop_last=True"):
         rank_batch_sizes(3, 4, 3, 2, drop_last=False)
 
@@ -164,3 +164,55 @@ def test_elastic_resumption_takes_every_sample_once(drop_last):
                     assert total - len(seen) < worlds[-1] * batch_size, "only the last split drops"
                 else:
                     assert sorted(seen) == list(range(total)), (worlds, k)
+
+
+def test_mix_shares_are_exact_and_deterministic():
+    sources = [[3000] * 4, [2500] * 2, [700]]
+    mix = Mix.of([12000, 5000, 700], [0.7, 0.25, 0.05], None)
+    total = sum(mix.counts)
+    assert total == 14000, "the most that exhausts no source: 700 / 0.05"
+    for share, weight in zip(mix.counts, (0.7, 0.25, 0.05)):
+        assert abs(share / total - weight) < 0.01 and abs(share - weight * total) <= 1
+    source, ids = mixed_order(sources, mix, 1, 2, True, 512, np.arange(total))
+    again = mixed_order(sources, mix, 1, 2, True, 512, np.arange(total))
+    assert (source == again[0]).all() and (ids == again[1]).all()
+    assert not (source == mixed_order(sources, mix, 1, 3, True, 512, np.arange(total))[0]).all(), "epochs differ"
+    for s, share in enumerate(mix.counts):
+        taken = ids[source == s]
+        assert taken.size == share and len(set(taken.tolist())) == share, "once within the share"
+    # every 10k-sample stretch is within 1 point of the weights
+    for start in (0, total - 10000):
+        part = source[start : start + 10000]
+        for s, weight in enumerate((0.7, 0.25, 0.05)):
+            assert abs((part == s).mean() - weight) < 0.01
+
+
+def test_mix_cycles_a_small_source_and_concatenates_without_weights():
+    mix = Mix.of([10, 100], [0.5, 0.5], epoch_size=60)
+    assert mix.counts == (30, 30)
+    source, ids = mixed_order([[10], [100]], mix, 0, 0, True, 8, np.arange(60))
+    small = ids[source == 0]
+    for run in range(3):  # three passes over the 10 samples, each a permutation
+        assert sorted(small[run * 10 : (run + 1) * 10].tolist()) == list(range(10))
+    assert Mix.of([5, 7], None, None).counts == (5, 7)
+    source, ids = mixed_order([[5], [7]], Mix.of([5, 7], None, None), 0, 0, False, 8, np.arange(12))
+    assert source.tolist() == [0] * 5 + [1] * 7 and ids.tolist() == list(range(5)) + list(range(7))
+    with pytest.raises(ValueError, match="weights"):
+        Mix.of([5, 7], [1.0], None)
+    with pytest.raises(ValueError, match="epoch_size needs weights"):
+        Mix.of([5, 7], None, 10)
+
+
+def test_mixed_plan_splits_exactly_and_resumes():
+    sources = [[40, 40], [30]]
+    mix = Mix.of([80, 30], [0.6, 0.4], None)
+    for world_size, workers in itertools.product((1, 2, 3), (1, 2)):
+        seen = []
+        for rank in range(world_size):
+            for w in range(workers):
+                plan = plan_epoch(sources, 4, 1, World(rank, world_size, w, workers), batch_size=2, mix=mix)
+                seen += [(int(s), int(i)) for _, src, ids in plan for s, i in zip(src, ids)]
+        assert len(seen) == len(set(seen)) and sum(mix.counts) - len(seen) < world_size * 2
+    full = plan_epoch(sources, 4, 1, World(), batch_size=2, mix=mix)
+    rest = plan_epoch(sources, 4, 1, World(), batch_size=2, mix=mix, history=(Resume(1, 5),))
+    assert [(s.tolist(), i.tolist()) for _, s, i in rest] == [(s.tolist(), i.tolist()) for _, s, i in full[5:]]
