@@ -200,8 +200,8 @@ class Manifest:
     def from_json(cls, data: bytes, url: str) -> Manifest:
         try:
             obj = json.loads(data)
-        except ValueError as exc:
-            raise ManifestError(url, f"not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+            raise ManifestError(url, f"not valid JSON: {exc!r}"[:300]) from exc
         if not isinstance(obj, dict) or obj.get("format") != FORMAT:
             raise ManifestError(url, f"not a {FORMAT} manifest")
         if obj.get("schema_version") != SCHEMA_VERSION:

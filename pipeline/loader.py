@@ -16,12 +16,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.device import prefetch_to_cuda, to_device
-from pipeline.errors import ShardError, ShardstreamError
+from pipeline.errors import ManifestError, ShardError, ShardstreamError
 from pipeline.format import Manifest
 from pipeline.kinds import KINDS
 from pipeline.plan import Mix, Resume, World, plan_epoch, rank_positions
 from pipeline.storage import filesystem, join, read_manifest, read_range
-from pipeline.tario import parse_sample
+from pipeline.tario import ReadLimits, parse_sample
 
 __all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "validate_first_batch"]
 
@@ -43,6 +43,8 @@ class LoaderConfig:
     drop_last: bool = True
     shuffle_window: int = 16384
     on_error: str = "raise"
+    max_errors: int | float | None = None  # with on_error="skip": more skips in an epoch, or a larger fraction, fail
+    limits: ReadLimits = ReadLimits()
 
     def __post_init__(self) -> None:
         for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1)):
@@ -51,6 +53,10 @@ class LoaderConfig:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
+        budget = self.max_errors
+        if not (budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0)
+                or (isinstance(budget, float) and 0 < budget < 1)):
+            raise ValueError(f"max_errors must be None, an int >= 0 or a fraction in (0, 1), got {budget!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +100,8 @@ class _ShardStream(IterableDataset):
         # Shared with the workers (fork or spawn), set by the main process: the epoch, then the
         # epoch's resumption history (count, then world_size and batches per stretch).
         self.state = torch.zeros(2 + 2 * _MAX_STRETCHES, dtype=torch.int64).share_memory_()
-        self.skipped = torch.zeros(max(1, config.num_workers), dtype=torch.int64).share_memory_()
+        # Samples skipped per worker: over all epochs (row 0) and in the current iteration (row 1).
+        self.skipped = torch.zeros(2, max(1, config.num_workers), dtype=torch.int64).share_memory_()
 
     @property
     def epoch(self) -> int:
@@ -129,8 +136,19 @@ class _ShardStream(IterableDataset):
             exc.add_note(f"in DataLoader worker {info.id}:\n{traceback.format_exc()}")
             yield _WorkerError(exc)
 
+    def _budget(self, world: World, history: tuple[Resume, ...]) -> int | None:
+        """Skips allowed in this iteration of the rank, from `max_errors`."""
+        budget = self.config.max_errors
+        if not isinstance(budget, float):
+            return budget
+        c = self.config
+        total = sum(self.mix.counts) if self.mix else sum(self.sources[0].sizes)
+        batches = rank_positions(total, world.world_size, world.rank, c.batch_size, c.drop_last, history)
+        return int(budget * sum(len(b) for b in batches))
+
     def _batches(self, world: World, epoch: int, history: tuple[Resume, ...]) -> Iterator[dict[str, Any]]:
         cfg = self.config
+        budget = self._budget(world, history)
         plan = plan_epoch([s.sizes for s in self.sources], cfg.seed, epoch, world, batch_size=cfg.batch_size,
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
@@ -146,8 +164,12 @@ class _ShardStream(IterableDataset):
                 except ShardstreamError as exc:
                     if cfg.on_error == "raise":
                         raise
-                    self.skipped[world.worker] += 1
+                    self.skipped[:, world.worker] += 1
                     log.warning("skipped: %s", exc)
+                    skipped = int(self.skipped[1].sum())
+                    if budget is not None and skipped > budget:
+                        raise ShardError(self.sources[source].root, f"{skipped} samples skipped in this epoch, more "
+                                         f"than max_errors={cfg.max_errors} allows ({budget}); last: {exc}") from exc
             if not samples:
                 raise ShardError(self.sources[0].root, f"all {len(ids)} samples of batch {batch} failed; ranks cannot stay in step")
             yield self.kind.collate(samples, self.options)
@@ -155,9 +177,12 @@ class _ShardStream(IterableDataset):
     def _load(self, fs: tuple[Any, str], source: _Source, shard: int, index: int, epoch: int) -> dict[str, Any]:
         (filesystem_, base), name, key = fs, source.names[shard], source.keys[shard][index]
         url = join(source.root, name)
-        start, end = source.offsets[shard][index : index + 2]
-        data = read_range(filesystem_, join(base, name), url, int(start), int(end))
-        members = parse_sample(data, url, key)
+        start, end = (int(o) for o in source.offsets[shard][index : index + 2])
+        limits = self.config.limits
+        if end - start > limits.max_sample_bytes:
+            raise ShardError(url, f"sample {key!r} spans {end - start} bytes, more than max_sample_bytes={limits.max_sample_bytes}")
+        data = read_range(filesystem_, join(base, name), url, start, end)
+        members = parse_sample(data, url, key, limits)
         return self.kind.decode(members, self.options, seed=self.config.seed, epoch=epoch, url=url, key=key)
 
 
@@ -193,7 +218,7 @@ class StreamLoader:
     @property
     def skipped(self) -> int:
         """Samples skipped so far (on_error='skip'), over all epochs and workers of this process."""
-        return int(self._stream.skipped.sum())
+        return int(self._stream.skipped[0].sum())
 
     def __len__(self) -> int:
         return self._stream.batches()
@@ -206,6 +231,7 @@ class StreamLoader:
             batches = prefetch_to_cuda(batches, self.device)
         elif self.device is not None:
             batches = (to_device(b, self.device) for b in batches)
+        stream.skipped[1] = 0
         done = history[-1].batches if history and history[-1].world_size == world_size else 0
         past = history[:-1] if done else history
         self._taken = (*past, Resume(world_size, done))
@@ -297,6 +323,8 @@ def make_stream_loader(
     multiprocessing_context: str | None = None,
     weights: Sequence[float] | None = None,
     epoch_size: int | None = None,
+    max_errors: int | float | None = None,
+    limits: ReadLimits | None = None,
 ) -> StreamLoader:
     """A loader over `split` of the dataset at `source` (a folder written by `shard-pack`), or
     of several datasets of one kind: a list of sources, concatenated or, with `weights`, mixed in
@@ -306,8 +334,11 @@ def make_stream_loader(
     (but for the `drop_last` remainder), every rank yields `len(loader)` batches, and the order is
     a function of (seed, epoch) only. `rank`/`world_size` default to torch.distributed's when it
     is initialised. `persistent_workers=None` keeps workers alive across epochs when there are any.
+    `limits` caps what an (untrusted) shard can make the reader do; with `on_error="skip"`,
+    `max_errors` (a count, or a fraction of the rank's samples) bounds the skips per epoch.
     """
-    config = LoaderConfig(batch_size, num_workers, shuffle, seed, drop_last, shuffle_window, on_error)
+    limits = limits or ReadLimits()
+    config = LoaderConfig(batch_size, num_workers, shuffle, seed, drop_last, shuffle_window, on_error, max_errors, limits)
     resolved, pin = _resolve_device(device, pin_memory)
     if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -319,10 +350,14 @@ def make_stream_loader(
             raise ValueError(f"{root}: no split {split!r}; the dataset has {sorted(manifest.splits)}")
         if manifest.kind != manifests[0].kind:
             raise ValueError(f"cannot mix kinds: {roots[0]} is {manifests[0].kind}, {root} is {manifest.kind}")
+        for shard in manifest.splits[split]:
+            if shard.bytes > limits.max_shard_bytes:
+                raise ManifestError(join(root, shard.name), f"{shard.bytes} bytes, more than max_shard_bytes={limits.max_shard_bytes}")
     sources = [_Source.of(root, manifest, split) for root, manifest in zip(roots, manifests)]
     mix = None if len(sources) == 1 and weights is None and epoch_size is None else \
         Mix.of([sum(s.sizes) for s in sources], weights, epoch_size)
-    options = KINDS[manifests[0].kind].options(image_size=image_size, mask_size=mask_size, max_masks=max_masks)
+    options = KINDS[manifests[0].kind].options(image_size=image_size, mask_size=mask_size, max_masks=max_masks,
+                                               max_image_pixels=limits.max_image_pixels)
     stream = _ShardStream(sources, mix, manifests[0].kind, options, config, world.rank, world.world_size, storage_options)
     if stream.batches() == 0:
         total = sum(mix.counts) if mix else manifests[0].samples(split)

@@ -24,13 +24,14 @@ from pipeline.collate import empty, pack_bits, unpack_bits
 from pipeline.errors import SampleError
 from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_RECORD_FIELDS, decode_array, unpack_record
 from pipeline.rle import RLEError, fit, raster
+from pipeline.tario import ReadLimits
 
 __all__ = [
     "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "check_batch", "BATCH_FIELDS",
     "MAX_IMAGE_PIXELS",
 ]
 
-MAX_IMAGE_PIXELS = 1 << 28  # 16k x 16k: larger JPEGs are refused (decompression bombs)
+MAX_IMAGE_PIXELS = ReadLimits.max_image_pixels  # larger JPEGs are refused (decompression bombs)
 _MASKS = 3  # SeedSequence purpose, beside the plan's
 
 BATCH_FIELDS = {
@@ -55,6 +56,7 @@ class Sa1bOptions:
     image_size: int = 1024
     mask_size: int | None = 256
     max_masks: int | Callable[[int], int] = 64  # or a function of the epoch (curriculum)
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # larger images are refused, never decoded
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 1:
@@ -96,14 +98,15 @@ def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.
     return np.sort(rng.choice(count, limit, replace=False))
 
 
-def decode_image(data: bytes, frame: tuple[int, int], url: str, key: str) -> torch.Tensor:
+def decode_image(data: bytes, frame: tuple[int, int], url: str, key: str,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
     """The JPEG as (3, h, w) uint8 at `frame`: decoded at the smallest libjpeg scale that covers the
     frame, then resized with antialiased bilinear filtering (torch's uint8 kernel; ~6x PIL's)."""
     height, width = frame
     try:
         with Image.open(io.BytesIO(data), formats=["JPEG"]) as image:
-            if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise SampleError(url, key, SA1B_JPG, f"{image.width}x{image.height} pixels exceed the cap {MAX_IMAGE_PIXELS}")
+            if image.width * image.height > max_pixels:
+                raise SampleError(url, key, SA1B_JPG, f"{image.width}x{image.height} pixels exceed the cap {max_pixels}")
             image.draft("RGB", (width, height))
             pixels = torch.from_numpy(np.array(image if image.mode == "RGB" else image.convert("RGB"))).permute(2, 0, 1)
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
@@ -128,7 +131,7 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, seed: int,
         image_id, height, width = int(info["image_id"]), int(info["height"]), int(info["width"])
     except (KeyError, TypeError, ValueError) as exc:
         raise SampleError(url, key, "image", f"invalid image info {info!r}") from exc
-    if height < 1 or width < 1 or height * width > MAX_IMAGE_PIXELS:
+    if height < 1 or width < 1 or height * width > options.max_image_pixels:
         raise SampleError(url, key, "image", f"invalid size {height}x{width}")
     if not isinstance(counts, list) or not all(isinstance(c, bytes) for c in counts):
         raise SampleError(url, key, "counts", "expected a list of byte strings")
@@ -147,7 +150,7 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, seed: int,
     chosen = choose_masks(n, options.masks_for(epoch), seed, epoch, key)
     frame = fit(height, width, options.image_size)
     mask_frame = frame if options.mask_size is None else fit(height, width, options.mask_size)
-    image = decode_image(members[SA1B_JPG], frame, url, key)
+    image = decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels)
     try:
         masks = raster([counts[i] for i in chosen], (height, width), mask_frame)
     except RLEError as exc:

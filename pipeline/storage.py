@@ -11,7 +11,9 @@ from fsspec.core import url_to_fs
 from pipeline.errors import ManifestError, ShardError
 from pipeline.format import MANIFEST_NAME, Manifest
 
-__all__ = ["join", "filesystem", "read_manifest", "read_range"]
+__all__ = ["MAX_MANIFEST_BYTES", "join", "filesystem", "read_manifest", "read_range"]
+
+MAX_MANIFEST_BYTES = 4 << 30  # SA-1B's 11M samples need ~0.3 GB
 
 
 def join(root: str, name: str) -> str:
@@ -27,6 +29,8 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None) -> M
     url = join(root, MANIFEST_NAME)
     fs, path = filesystem(url, storage_options)
     try:
+        if fs.size(path) > MAX_MANIFEST_BYTES:
+            raise ManifestError(url, f"larger than {MAX_MANIFEST_BYTES} bytes: not a manifest this reader accepts")
         data = fs.cat_file(path)
     except FileNotFoundError as exc:
         raise ManifestError(url, "no manifest: is this a folder written by `shard-pack`?") from exc

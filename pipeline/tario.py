@@ -7,19 +7,41 @@ regular files with flat, safe names, checked header checksums and sizes inside t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import re
 import tarfile
 from collections.abc import Sequence
 
 from pipeline.errors import ShardError
 from pipeline.format import check_key
 
-__all__ = ["BLOCK", "ShardWriter", "parse_sample"]
+__all__ = ["BLOCK", "ReadLimits", "ShardWriter", "parse_sample"]
 
 BLOCK = 512
 _END = b"\0" * (2 * BLOCK)
-_EXT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.")
+_EXT_RE = re.compile(r"[a-z0-9]+(\.[a-z0-9]+)*")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadLimits:
+    """Caps on what a shard can make a reader do, checked before the bytes are read or decoded.
+
+    Shards are untrusted input; the defaults are generous for real data (an SA-1B sample is
+    ~0.5 MB, a shard ~1 GB) and bound memory and work per sample."""
+
+    max_member_bytes: int = 256 << 20
+    max_members: int = 16  # per sample
+    max_sample_bytes: int = 512 << 20
+    max_shard_bytes: int = 1 << 40
+    max_image_pixels: int = 1 << 28  # 16k x 16k; larger images are refused, not decoded
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field.name} must be a positive int, got {value!r}")
 
 
 def _header(name: str, size: int) -> bytes:
@@ -49,7 +71,7 @@ class ShardWriter:
         self.keys.append(key)
         self.offsets.append(self.size)
         for ext, data in members:
-            if not ext or not set(ext) <= _EXT_CHARS:
+            if not _EXT_RE.fullmatch(ext):
                 raise ValueError(f"invalid member extension {ext!r}")
             self._write(_header(f"{key}.{ext}", len(data)))
             self._write(data)
@@ -77,8 +99,18 @@ def _octal(field: bytes) -> int:
     return int(text, 8)
 
 
-def parse_sample(data: bytes, url: str, key: str, *, max_member_bytes: int = 1 << 30) -> dict[str, bytes]:
-    """The members `{ext: bytes}` of one sample, from the exact byte range the manifest gives for it."""
+def parse_sample(data: bytes, url: str, key: str, limits: ReadLimits = ReadLimits()) -> dict[str, bytes]:
+    """The members `{ext: bytes}` of one sample, from the exact byte range the manifest gives for it.
+
+    Only what the writer makes is accepted: regular files named `<key>.<ext>` for the manifest's
+    key, headers with valid checksums, sizes within the caps and within the range. Nothing is
+    ever extracted to disk; compressed shards are refused."""
+    try:
+        check_key(key)
+    except ValueError as exc:
+        raise ShardError(url, f"unsafe sample key in the manifest: {exc}") from exc
+    if data[:2] == b"\x1f\x8b":
+        raise ShardError(url, f"sample {key!r}: gzip-compressed data; only uncompressed tar shards are read")
     members: dict[str, bytes] = {}
     view = memoryview(data)
     pos = 0
@@ -97,12 +129,12 @@ def parse_sample(data: bytes, url: str, key: str, *, max_member_bytes: int = 1 <
             raise ShardError(url, f"sample {key!r}: member type {header[156:157]!r} is not a regular file")
         name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
         member_key, _, ext = name.partition(".")
-        if header[345:500].strip(b"\0") or member_key != key or not ext or not set(ext) <= _EXT_CHARS:
-            raise ShardError(url, f"sample {key!r}: unexpected member name {name!r}")
-        if size > max_member_bytes or pos + BLOCK + size > len(data):
-            raise ShardError(url, f"sample {key!r}: member {name!r} claims {size} bytes, beyond the sample's range")
-        if ext in members:
-            raise ShardError(url, f"sample {key!r}: duplicate member {name!r}")
+        if header[345:500].strip(b"\0") or member_key != key or not _EXT_RE.fullmatch(ext):
+            raise ShardError(url, f"sample {key!r}: unexpected member name {name[:120]!r}")
+        if size > limits.max_member_bytes or pos + BLOCK + size > len(data):
+            raise ShardError(url, f"sample {key!r}: member {name!r} claims {size} bytes, beyond the cap or the sample's range")
+        if ext in members or len(members) == limits.max_members:
+            raise ShardError(url, f"sample {key!r}: duplicate member {name!r} or more than {limits.max_members} members")
         members[ext] = bytes(view[pos + BLOCK : pos + BLOCK + size])
         pos += BLOCK + size + (-size % BLOCK)
     return members
