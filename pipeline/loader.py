@@ -181,7 +181,7 @@ class _ShardStream(IterableDataset):
         limits = self.config.limits
         if end - start > limits.max_sample_bytes:
             raise ShardError(url, f"sample {key!r} spans {end - start} bytes, more than max_sample_bytes={limits.max_sample_bytes}")
-        data = read_range(filesystem_, join(base, name), url, start, end)
+        data = read_range(filesystem_, join(base, name), url, start, end, key)
         members = parse_sample(data, url, key, limits)
         return self.kind.decode(members, self.options, seed=self.config.seed, epoch=epoch, url=url, key=key)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,7 +105,10 @@ def decode_image(data: bytes, frame: tuple[int, int], url: str, key: str,
     frame, then resized with antialiased bilinear filtering (torch's uint8 kernel; ~6x PIL's)."""
     height, width = frame
     try:
-        with Image.open(io.BytesIO(data), formats=["JPEG"]) as image:
+        with warnings.catch_warnings():  # Pillow warns of large images; the cap below refuses them
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=["JPEG"])
+        with image:
             if image.width * image.height > max_pixels:
                 raise SampleError(url, key, SA1B_JPG, f"{image.width}x{image.height} pixels exceed the cap {max_pixels}")
             image.draft("RGB", (width, height))

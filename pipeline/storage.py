@@ -39,14 +39,15 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None) -> M
     return Manifest.from_json(data, url)
 
 
-def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of a shard; a missing file or a short read is a ShardError."""
+def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, end: int, key: str | None = None) -> bytes:
+    """Bytes [start, end) of a shard (holding sample `key`); a missing file or a short read is a ShardError."""
+    what = f"sample {key!r}: " if key is not None else ""
     try:
         data = fs.cat_file(path, start=start, end=end)
     except FileNotFoundError as exc:
-        raise ShardError(url, "shard is missing") from exc
+        raise ShardError(url, f"{what}shard is missing") from exc
     except OSError as exc:
-        raise ShardError(url, f"cannot read bytes {start}-{end}: {exc}") from exc
+        raise ShardError(url, f"{what}cannot read bytes {start}-{end}: {exc}") from exc
     if len(data) != end - start:
-        raise ShardError(url, f"truncated: bytes {start}-{end} gave {len(data)} bytes")
+        raise ShardError(url, f"{what}truncated: bytes {start}-{end} gave {len(data)} bytes")
     return data

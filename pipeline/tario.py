@@ -35,7 +35,7 @@ class ReadLimits:
     max_members: int = 16  # per sample
     max_sample_bytes: int = 512 << 20
     max_shard_bytes: int = 1 << 40
-    max_image_pixels: int = 1 << 28  # 16k x 16k; larger images are refused, not decoded
+    max_image_pixels: int = 1 << 26  # 8k x 8k (SA-1B: 3.4M); larger images are refused, not decoded
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -223,7 +223,7 @@ def test_missing_shard_is_named(sa1b_dataset, tmp_path):
     shutil.copytree(sa1b_dataset, root)
     name = _manifest(str(root)).splits["val"][0].name
     (root / name).unlink()
-    with pytest.raises(Exception, match=rf"{name}: shard is missing"):
+    with pytest.raises(ShardError, match=rf"{name}: sample .*: shard is missing"):
         _epoch(make_stream_loader(str(root), "val", batch_size=1, num_workers=0, **SMALL))
 
 
