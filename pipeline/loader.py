@@ -75,12 +75,14 @@ class _Source:
     keys: tuple[tuple[str, ...], ...]
     offsets: tuple[np.ndarray, ...]
     sizes: tuple[int, ...]
+    shard_bytes: tuple[int, ...]
 
     @classmethod
     def of(cls, root: str, manifest: Manifest, split: str) -> _Source:
         shards = manifest.splits[split]
         return cls(root, tuple(s.name for s in shards), tuple(s.keys for s in shards),
-                   tuple(np.asarray(s.offsets, dtype=np.int64) for s in shards), tuple(s.samples for s in shards))
+                   tuple(np.asarray(s.offsets, dtype=np.int64) for s in shards), tuple(s.samples for s in shards),
+                   tuple(s.bytes for s in shards))
 
     @property
     def first_id(self) -> np.ndarray:
@@ -154,12 +156,13 @@ class _ShardStream(IterableDataset):
                           history=history)
         filesystems = [filesystem(s.root, self.storage_options) for s in self.sources]
         first_ids = [s.first_id for s in self.sources]
+        self._sized: set[tuple[int, int]] = set()  # shards whose size this worker has checked
         for batch, sources, ids in plan:
             samples = []
             for source, sample_id in zip(sources.tolist(), ids.tolist()):
                 shard = int(np.searchsorted(first_ids[source], sample_id, side="right")) - 1
                 try:
-                    samples.append(self._load(filesystems[source], self.sources[source], shard,
+                    samples.append(self._load(filesystems[source], source, shard,
                                               sample_id - int(first_ids[source][shard]), epoch))
                 except ShardstreamError as exc:
                     if cfg.on_error == "raise":
@@ -174,9 +177,18 @@ class _ShardStream(IterableDataset):
                 raise ShardError(self.sources[0].root, f"all {len(ids)} samples of batch {batch} failed; ranks cannot stay in step")
             yield self.kind.collate(samples, self.options)
 
-    def _load(self, fs: tuple[Any, str], source: _Source, shard: int, index: int, epoch: int) -> dict[str, Any]:
+    def _load(self, fs: tuple[Any, str], number: int, shard: int, index: int, epoch: int) -> dict[str, Any]:
+        source = self.sources[number]
         (filesystem_, base), name, key = fs, source.names[shard], source.keys[shard][index]
         url = join(source.root, name)
+        if (number, shard) not in self._sized:  # a shard replaced or cut since packing: say so at once
+            try:
+                size = filesystem_.size(join(base, name))
+            except FileNotFoundError as exc:
+                raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+            if size != source.shard_bytes[shard]:
+                raise ShardError(url, f"sample {key!r}: shard is {size} bytes, the manifest says {source.shard_bytes[shard]}")
+            self._sized.add((number, shard))
         start, end = (int(o) for o in source.offsets[shard][index : index + 2])
         limits = self.config.limits
         if end - start > limits.max_sample_bytes:
