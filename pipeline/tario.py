@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import tarfile
+import uuid
 from collections.abc import Sequence
 
 from pipeline.errors import ShardError
@@ -51,10 +52,11 @@ def _header(name: str, size: int) -> bytes:
 
 
 class ShardWriter:
-    """Writes one shard to `<path>.partial` and renames it to `path` on `close()`: never a partial shard."""
+    """Writes one shard to `<path>.partial-<unique>` and renames it to `path` on `close()`: never a
+    partial shard, and two writers of the same shard (a retried task) never share a temporary file."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.partial = path, path + ".partial"
+        self.path, self.partial = path, f"{path}.partial-{uuid.uuid4().hex}"
         self._file = open(self.partial, "wb")
         self._sha = hashlib.sha256()
         self.keys: list[str] = []

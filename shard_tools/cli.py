@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jpeg-quality", type=int, default=90, help="quality of re-encoded JPEGs (90)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
     p.add_argument("--max-skipped", type=int, default=10, help="fail when more input samples are bad (10)")
+    p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster: tcp://scheduler:8786, "
+                   "or local:N for a local cluster of N workers (needs the dask extra)")
 
     for name, text in (("inspect", "print a dataset's manifest summary"),
                        ("verify", "check every shard's checksum and decode every sample")):
@@ -60,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "sa1b":
             options = PackOptions(args.shard_samples, args.shard_bytes, parse_splits(args.split), args.workers,
-                                  args.max_skipped)
+                                  args.max_skipped, args.dask)
             source = Sa1bSource(args.image_max_side, args.jpeg_quality)
             summary = pack(source, args.sources, args.out, options, progress=not args.quiet)
             for skip in summary.skip_list[:20]:

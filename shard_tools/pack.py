@@ -2,15 +2,19 @@
 
 Each shard task is a pure function of a fixed, sorted slice of the input, so the output is
 byte-identical whatever the number of processes, and a task run twice writes the same bytes.
-Shards are written under `.partial` names and renamed; each finished task leaves a record in
-`OUT/_pack/`, so an interrupted run started again with the same arguments only does the rest.
-The manifest is written last (atomically) and lists only finished shards.
+Shards are written under unique `.partial-*` names and renamed; each finished task leaves a
+record in `OUT/_pack/`, so an interrupted run started again with the same arguments only does the
+rest. The manifest is written last (atomically) and lists only finished shards.
+
+Tasks run in-process (`workers=1`), in a local process pool, or on a Dask cluster (`dask=`):
+the output is the same bytes in every case.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import glob
 import hashlib
 import json
 import logging
@@ -19,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -86,6 +91,8 @@ class PackOptions:
     splits: tuple[tuple[str, float], ...] = (("train", 1.0),)
     workers: int = 1
     max_skipped: int = 10
+    dask: str | None = None  # a scheduler address (tcp://host:8786) or local:N for a local cluster
+    task_retries: int = 2  # on Dask: further tries of a failed shard task
 
     def __post_init__(self) -> None:
         for name in ("shard_samples", "shard_bytes", "workers"):
@@ -98,6 +105,9 @@ class PackOptions:
             raise ValueError(f"split names must be distinct identifiers, got {names}")
         if any(f <= 0 for _, f in self.splits) or abs(sum(f for _, f in self.splits) - 1) > 1e-9:
             raise ValueError(f"split fractions must be > 0 and sum to 1, got {dict(self.splits)}")
+        if self.dask is not None and not (self.dask.startswith(("tcp://", "tls://", "ucx://", "inproc://"))
+                                          or self.dask.removeprefix("local:").isdigit()):
+            raise ValueError(f"dask must be a scheduler address (tcp://host:8786) or local:N, got {self.dask!r}")
 
 
 def parse_splits(text: str) -> tuple[tuple[str, float], ...]:
@@ -176,11 +186,12 @@ def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    with open(path + ".partial", "wb") as f:
+    partial = f"{path}.partial-{uuid.uuid4().hex}"
+    with open(partial, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(path + ".partial", path)
+    os.replace(partial, path)
 
 
 @dataclasses.dataclass
@@ -296,7 +307,7 @@ def pack(
              sum(len(t.refs) for t in todo), len(todo), reused, len(skipped))
     bar = _Progress(sum(len(t.refs) for t in todo), progress)
     try:
-        for task, record in _execute(source, todo, out, options.workers):
+        for task, record in _execute(source, todo, out, options):
             records[task.name] = record
             bar.update(len(task.refs))
             if on_shard is not None:
@@ -318,7 +329,7 @@ def pack(
     _write_atomic(manifest_path, manifest.to_json())
     shutil.rmtree(state)
     for task in tasks:  # debris of writers killed in an earlier run
-        if os.path.exists(partial := os.path.join(out, task.name + ".partial")):
+        for partial in glob.glob(glob.escape(os.path.join(out, task.name)) + ".partial-*"):
             os.unlink(partial)
     counts: dict[str, int] = {}
     for record in records.values():
@@ -337,13 +348,16 @@ def _summary(manifest: Manifest, reused: int, seconds: float) -> PackSummary:
     )
 
 
-def _execute(source: Source, tasks: list[_Task], out: str, workers: int) -> Iterable[tuple[_Task, dict[str, Any]]]:
-    if workers == 1 or len(tasks) <= 1:
+def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions) -> Iterable[tuple[_Task, dict[str, Any]]]:
+    if options.dask is not None:
+        yield from _execute_dask(source, tasks, out, options)
+        return
+    if options.workers == 1 or len(tasks) <= 1:
         for task in tasks:
             yield task, _run_task(source, task, out)
         return
     context = multiprocessing.get_context("spawn")  # safe with threads (progress bar) and any library
-    with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context) as pool:
+    with concurrent.futures.ProcessPoolExecutor(min(options.workers, len(tasks)), mp_context=context) as pool:
         futures = {pool.submit(_run_task, source, task, out): task for task in tasks}
         try:
             for future in concurrent.futures.as_completed(futures):
@@ -351,3 +365,33 @@ def _execute(source: Source, tasks: list[_Task], out: str, workers: int) -> Iter
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
+
+
+def _execute_dask(source: Source, tasks: list[_Task], out: str, options: PackOptions) -> Iterable[tuple[_Task, dict[str, Any]]]:
+    """The same shard tasks on a Dask cluster. A failed task is tried again (`task_retries`), a task
+    whose worker died is rescheduled by Dask; one that keeps failing stops the pack, naming its shard.
+    Workers write to `out` themselves: on a real cluster it must be storage they all reach."""
+    try:
+        from distributed import Client, LocalCluster, as_completed
+    except ImportError as exc:
+        raise PackError("--dask needs the dask extra: pip install 'shardstream[dask]'") from exc
+    assert options.dask is not None
+    if options.dask.startswith("local:"):
+        cluster = LocalCluster(n_workers=int(options.dask.removeprefix("local:")), threads_per_worker=1,
+                               processes=True, dashboard_address=None)
+        client = Client(cluster)
+    else:
+        cluster, client = None, Client(options.dask)
+    try:
+        futures = {client.submit(_run_task, source, task, out, key=f"shard-pack-{task.name}-{uuid.uuid4().hex[:8]}",
+                                 retries=options.task_retries, pure=False): task for task in tasks}
+        for future in as_completed(futures):
+            task = futures[future]
+            try:
+                yield task, future.result()
+            except Exception as exc:
+                raise PackError(f"shard {task.name} failed on the Dask cluster after retries: {exc!r}") from exc
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()

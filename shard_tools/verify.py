@@ -62,7 +62,7 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
             for i, key in enumerate(shard.keys):
                 bar.update(1)
                 try:
-                    data = read_range(fs, path, url, shard.offsets[i], shard.offsets[i + 1])
+                    data = read_range(fs, path, url, shard.offsets[i], shard.offsets[i + 1], key)
                     members = parse_sample(data, url, key)
                     kind.decode(members, kind.verify_options, seed=0, epoch=0, url=url, key=key)
                 except ShardstreamError as exc:

@@ -75,7 +75,7 @@ def test_interrupted_pack_resumes_without_redoing_shards(sa1b_src, sa1b_dataset,
         pack(Sa1bSource(), [str(sa1b_src)], str(out), options, progress=False, on_shard=interrupt)
     assert not (out / "manifest.json").exists(), "no manifest lists an unfinished pack"
     done = {name: os.stat(out / name) for name in finished}
-    (out / "train-000001.tar.partial").write_bytes(b"debris of a killed writer")
+    (out / "train-000001.tar.partial-0123abcd").write_bytes(b"debris of a killed writer")
 
     summary = pack(Sa1bSource(), [str(sa1b_src)], str(out), options, progress=False)
     assert summary.reused >= 2
