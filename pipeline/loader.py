@@ -121,11 +121,15 @@ class _ShardStream(IterableDataset):
         self.state.zero_()
         self.state[: len(values)] = torch.tensor(values, dtype=torch.int64)
 
-    def batches(self) -> int:
-        """How many batches this rank yields in the next iteration (all of the epoch, or the rest)."""
+    def rank_batches(self, history: tuple[Resume, ...]) -> list[np.ndarray]:
+        """The epoch-order positions of each batch this rank yields after `history`."""
         c = self.config
         total = sum(self.mix.counts) if self.mix else sum(self.sources[0].sizes)
-        return len(rank_positions(total, self.world_size, self.rank, c.batch_size, c.drop_last, self.history))
+        return rank_positions(total, self.world_size, self.rank, c.batch_size, c.drop_last, history)
+
+    def batches(self) -> int:
+        """How many batches this rank yields in the next iteration (all of the epoch, or the rest)."""
+        return len(self.rank_batches(self.history))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -138,32 +142,24 @@ class _ShardStream(IterableDataset):
             exc.add_note(f"in DataLoader worker {info.id}:\n{traceback.format_exc()}")
             yield _WorkerError(exc)
 
-    def _budget(self, world: World, history: tuple[Resume, ...]) -> int | None:
-        """Skips allowed in this iteration of the rank, from `max_errors`."""
-        budget = self.config.max_errors
-        if not isinstance(budget, float):
-            return budget
-        c = self.config
-        total = sum(self.mix.counts) if self.mix else sum(self.sources[0].sizes)
-        batches = rank_positions(total, world.world_size, world.rank, c.batch_size, c.drop_last, history)
-        return int(budget * sum(len(b) for b in batches))
-
     def _batches(self, world: World, epoch: int, history: tuple[Resume, ...]) -> Iterator[dict[str, Any]]:
         cfg = self.config
-        budget = self._budget(world, history)
+        budget = cfg.max_errors  # skips allowed in this iteration of the rank
+        if isinstance(budget, float):
+            budget = int(budget * sum(len(b) for b in self.rank_batches(history)))
         plan = plan_epoch([s.sizes for s in self.sources], cfg.seed, epoch, world, batch_size=cfg.batch_size,
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
         filesystems = [filesystem(s.root, self.storage_options) for s in self.sources]
         first_ids = [s.first_id for s in self.sources]
-        self._sized: set[tuple[int, int]] = set()  # shards whose size this worker has checked
+        sized: set[tuple[int, int]] = set()  # shards whose size this iteration has checked
         for batch, sources, ids in plan:
             samples = []
             for source, sample_id in zip(sources.tolist(), ids.tolist()):
                 shard = int(np.searchsorted(first_ids[source], sample_id, side="right")) - 1
                 try:
                     samples.append(self._load(filesystems[source], source, shard,
-                                              sample_id - int(first_ids[source][shard]), epoch))
+                                              sample_id - int(first_ids[source][shard]), epoch, sized))
                 except ShardstreamError as exc:
                     if cfg.on_error == "raise":
                         raise
@@ -177,18 +173,19 @@ class _ShardStream(IterableDataset):
                 raise ShardError(self.sources[0].root, f"all {len(ids)} samples of batch {batch} failed; ranks cannot stay in step")
             yield self.kind.collate(samples, self.options)
 
-    def _load(self, fs: tuple[Any, str], number: int, shard: int, index: int, epoch: int) -> dict[str, Any]:
+    def _load(self, fs: tuple[Any, str], number: int, shard: int, index: int, epoch: int,
+              sized: set[tuple[int, int]]) -> dict[str, Any]:
         source = self.sources[number]
         (filesystem_, base), name, key = fs, source.names[shard], source.keys[shard][index]
         url = join(source.root, name)
-        if (number, shard) not in self._sized:  # a shard replaced or cut since packing: say so at once
+        if (number, shard) not in sized:  # a shard replaced or cut since packing: say so at once
             try:
                 size = filesystem_.size(join(base, name))
             except FileNotFoundError as exc:
                 raise ShardError(url, f"sample {key!r}: shard is missing") from exc
             if size != source.shard_bytes[shard]:
                 raise ShardError(url, f"sample {key!r}: shard is {size} bytes, the manifest says {source.shard_bytes[shard]}")
-            self._sized.add((number, shard))
+            sized.add((number, shard))
         start, end = (int(o) for o in source.offsets[shard][index : index + 2])
         limits = self.config.limits
         if end - start > limits.max_sample_bytes:
