@@ -13,7 +13,6 @@ reader can fetch any sample by byte range.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -40,7 +39,6 @@ __all__ = [
     "decode_array",
     "pack_record",
     "unpack_record",
-    "sha256_file",
 ]
 
 SCHEMA_VERSION = 1
@@ -120,14 +118,6 @@ def unpack_record(data: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError(f"record is a {type(obj).__name__}, want a map")
     return obj
-
-
-def sha256_file(path: str, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
