@@ -19,7 +19,7 @@ from pipeline.device import prefetch_to_cuda, to_device
 from pipeline.errors import ManifestError, ShardError, ShardstreamError
 from pipeline.format import Manifest
 from pipeline.kinds import KINDS
-from pipeline.plan import Mix, Resume, World, plan_epoch, rank_positions
+from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_positions
 from pipeline.storage import filesystem, join, read_manifest, read_range
 from pipeline.tario import ReadLimits, parse_sample
 
@@ -124,7 +124,7 @@ class _ShardStream(IterableDataset):
     def rank_batches(self, history: tuple[Resume, ...]) -> list[np.ndarray]:
         """The epoch-order positions of each batch this rank yields after `history`."""
         c = self.config
-        total = sum(self.mix.counts) if self.mix else sum(self.sources[0].sizes)
+        total = epoch_samples([s.sizes for s in self.sources], self.mix)
         return rank_positions(total, self.world_size, self.rank, c.batch_size, c.drop_last, history)
 
     def batches(self) -> int:
@@ -250,18 +250,20 @@ class StreamLoader:
             yield stream.kind.finish(batch, stream.options)
         stream.set_state(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
 
+    def _identity(self) -> dict[str, Any]:
+        """What a saved state must share with the loader that resumes it."""
+        config = self._stream.config
+        return {"version": STATE_VERSION, "fingerprint": self._fingerprint, "split": self.split,
+                **{name: getattr(config, name) for name in _ORDER_SETTINGS}}
+
     def state_dict(self) -> dict[str, Any]:
         """Where this epoch stands, as plain data (no samples): save it with the model's checkpoint.
 
         In DDP the ranks move in step, so every rank's state is the same but for `rank`; save rank
         0's and load it on every rank, in a world of any size."""
-        config = self._stream.config
         taken = self._taken or self._stream.history
         return {
-            "version": STATE_VERSION,
-            "fingerprint": self._fingerprint,
-            "split": self.split,
-            **{name: getattr(config, name) for name in _ORDER_SETTINGS},
+            **self._identity(),
             "epoch": self.epoch,
             "history": [[t.world_size, t.batches] for t in taken],
             "rank": self._stream.rank,
@@ -273,10 +275,7 @@ class StreamLoader:
         In the same world the remaining batches equal those of an uninterrupted run; with another
         world size, the samples no rank had taken are split over the new world. A state of another
         dataset, split or ordering settings is refused."""
-        config = self._stream.config
-        expected = {"version": STATE_VERSION, "fingerprint": self._fingerprint, "split": self.split,
-                    **{name: getattr(config, name) for name in _ORDER_SETTINGS}}
-        for name, value in expected.items():
+        for name, value in self._identity().items():
             if state.get(name) != value:
                 raise ValueError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
         try:
@@ -369,7 +368,7 @@ def make_stream_loader(
                                                max_image_pixels=limits.max_image_pixels)
     stream = _ShardStream(sources, mix, manifests[0].kind, options, config, world.rank, world.world_size, storage_options)
     if stream.batches() == 0:
-        total = sum(mix.counts) if mix else manifests[0].samples(split)
+        total = epoch_samples([s.sizes for s in sources], mix)
         raise ValueError(
             f"{', '.join(roots)}: split {split!r} gives {total} samples per epoch, too few for one batch of "
             f"{batch_size} on each of {world.world_size} ranks with drop_last=True"

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
-    "World", "Resume", "Mix", "PlanError", "rank_batch_sizes", "rank_positions", "epoch_order", "mixed_order", "plan_epoch",
+    "World", "Resume", "Mix", "PlanError", "rank_batch_sizes", "rank_positions", "epoch_order", "epoch_samples",
+    "mixed_order", "plan_epoch",
 ]
 
 _SHARD_ORDER, _WINDOW_ORDER, _MIX_ORDER = 1, 2, 4  # SeedSequence purposes (3 is the SA-1B mask sampling)
@@ -166,6 +167,11 @@ class Mix:
         return cls(tuple(int(c) for c in counts))
 
 
+def epoch_samples(sources: Sequence[Sequence[int]], mix: Mix | None) -> int:
+    """Samples in an epoch, before the split over ranks: the one source's, or the mix's shares."""
+    return sum(mix.counts) if mix else sum(sources[0])
+
+
 def mixed_order(sources: Sequence[Sequence[int]], mix: Mix, seed: int, epoch: int, shuffle: bool, window: int,
                 positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(source, sample id within it) at the given positions of the epoch's mixed order."""
@@ -206,8 +212,7 @@ def plan_epoch(
     source needs no `mix`."""
     if seed < 0 or epoch < 0 or batch_size < 1 or window < 1:
         raise ValueError(f"need seed >= 0, epoch >= 0, batch_size >= 1, window >= 1; got {seed}, {epoch}, {batch_size}, {window}")
-    total = sum(mix.counts) if mix else sum(sources[0])
-    batches = rank_positions(total, world.world_size, world.rank, batch_size, drop_last, history)
+    batches = rank_positions(epoch_samples(sources, mix), world.world_size, world.rank, batch_size, drop_last, history)
     mine = batches[world.worker :: world.num_workers]
     positions = np.concatenate(mine) if mine else np.zeros(0, np.int64)
     if mix is None:
