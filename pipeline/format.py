@@ -7,7 +7,11 @@ A dataset is a folder holding `manifest.json` and uncompressed, WebDataset-compa
 `<split>-<index:06d>.tar`. Every sample is a run of consecutive tar members `<key>.<ext>`; the
 manifest lists, per shard, its sample count, size, SHA-256 and each sample's key and byte offset
 (the offset of its first member's header; a final entry marks the end of the last sample), so a
-reader can fetch any sample by byte range.
+reader can fetch any sample by byte range. A kind whose samples hold several units the loader
+yields one by one (rows of an embeddings block, questions of a VQA image) lists each sample's
+unit count in `units`; without it every sample is one unit.
+
+Schema history: 1, SA-1B only; 2 adds `units` (a version 1 manifest reads as version 2).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ __all__ = [
     "unpack_record",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 FORMAT = "shardstream"
 MANIFEST_NAME = "manifest.json"
 
@@ -127,6 +132,7 @@ class ShardInfo:
     sha256: str
     keys: tuple[str, ...]
     offsets: tuple[int, ...]  # len(keys) + 1: each sample's first header, then the end of the last sample
+    units: tuple[int, ...] | None = None  # per sample, for kinds whose samples hold several units
 
     @property
     def samples(self) -> int:
@@ -140,18 +146,23 @@ class ShardInfo:
             "sha256": self.sha256,
             "keys": list(self.keys),
             "offsets": list(self.offsets),
+            **({"units": list(self.units)} if self.units is not None else {}),
         }
 
     @classmethod
     def from_json(cls, obj: Any, url: str) -> ShardInfo:
         try:
-            shard = cls(obj["name"], obj["bytes"], obj["sha256"], tuple(obj["keys"]), tuple(obj["offsets"]))
+            units = obj.get("units")
+            shard = cls(obj["name"], obj["bytes"], obj["sha256"], tuple(obj["keys"]), tuple(obj["offsets"]),
+                        None if units is None else tuple(units))
             ok = (
                 obj["samples"] == len(shard.keys)
                 and len(shard.offsets) == len(shard.keys) + 1
                 and all(isinstance(o, int) for o in shard.offsets)
                 and list(shard.offsets) == sorted(shard.offsets)
                 and (not shard.offsets or 0 <= shard.offsets[0] and shard.offsets[-1] <= shard.bytes)
+                and (shard.units is None or (len(shard.units) == len(shard.keys)
+                                             and all(type(u) is int and u >= 1 for u in shard.units)))
             )
         except (KeyError, TypeError) as exc:
             raise ManifestError(url, f"invalid shard entry: {exc!r}") from exc
@@ -194,9 +205,9 @@ class Manifest:
             raise ManifestError(url, f"not valid JSON: {exc!r}"[:300]) from exc
         if not isinstance(obj, dict) or obj.get("format") != FORMAT:
             raise ManifestError(url, f"not a {FORMAT} manifest")
-        if obj.get("schema_version") != SCHEMA_VERSION:
+        if obj.get("schema_version") not in _READABLE_VERSIONS:
             raise ManifestError(
-                url, f"schema version {obj.get('schema_version')!r}; this version reads {SCHEMA_VERSION}"
+                url, f"schema version {obj.get('schema_version')!r}; this version reads {list(_READABLE_VERSIONS)}"
             )
         if obj.get("kind") not in KIND_MEMBERS:
             raise ManifestError(url, f"unknown kind {obj.get('kind')!r}; known: {sorted(KIND_MEMBERS)}")

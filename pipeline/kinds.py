@@ -1,27 +1,50 @@
-"""The registry of kinds on the reading side: how each decodes, collates and checks its batches."""
+"""The registry of kinds on the reading side: how each builds its options, decodes, collates and checks."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from pipeline import sa1b
+from pipeline.format import Manifest, ShardInfo
 
 __all__ = ["Kind", "KINDS"]
 
 
+def _one_each(shard: ShardInfo, options: Any) -> np.ndarray | None:
+    return None
+
+
+def _members(members: dict[str, bytes], options: Any, *, url: str, key: str) -> dict[str, bytes]:
+    return members
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    options: type  # frozen dataclass of the kind's decoding options
-    decode: Callable[..., dict[str, Any]]  # (members, options, *, seed, epoch, url, key) -> sample
+    """A kind's reading side. A sample may hold several units (rows of a block, questions of an
+    image): the plan orders units, the loader opens a sample once and decodes its units one by one."""
+
+    options: Callable[..., Any]  # (manifests, limits, **user options) -> the kind's frozen options
+    decode: Callable[..., dict[str, Any]]  # (opened, options, *, unit, seed, epoch, url, key) -> sample
     collate: Callable[..., dict[str, Any]]  # (samples, options) -> batch in transit (in a worker)
     finish: Callable[..., dict[str, Any]]  # (batch, options) -> batch for the user (after the device copy)
     check: Callable[..., list[str]]  # (batch, options, epoch) -> problems
-    verify_options: Any  # options that decode everything a sample holds, for `shard-pack verify`
+    verify_options: Callable[[Manifest], Any]  # options that decode everything a sample holds (`shard-pack verify`)
+    units: Callable[[ShardInfo, Any], np.ndarray | None] = _one_each  # (shard, options) -> units per sample
+    open: Callable[..., Any] = _members  # (members, options, *, url, key) -> what `decode` takes
+
+
+def _sa1b_options(manifests: Sequence[Manifest], limits: Any, **options: Any) -> sa1b.Sa1bOptions:
+    return sa1b.Sa1bOptions(max_image_pixels=limits.max_image_pixels, **options)
+
+
+def _sa1b_verify(manifest: Manifest) -> sa1b.Sa1bOptions:
+    return sa1b.Sa1bOptions(image_size=256, mask_size=64, max_masks=1 << 30)
 
 
 KINDS: dict[str, Kind] = {
-    "sa1b": Kind(sa1b.Sa1bOptions, sa1b.decode_sample, sa1b.collate, sa1b.finish, sa1b.check_batch,
-                 sa1b.Sa1bOptions(image_size=256, mask_size=64, max_masks=1 << 30)),
+    "sa1b": Kind(_sa1b_options, sa1b.decode_sample, sa1b.collate, sa1b.finish, sa1b.check_batch, _sa1b_verify),
 }

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
 import logging
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.device import prefetch_to_cuda, to_device
 from pipeline.errors import ManifestError, ShardError, ShardstreamError
 from pipeline.format import Manifest
-from pipeline.kinds import KINDS
+from pipeline.kinds import KINDS, Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_positions
 from pipeline.storage import filesystem, join, read_manifest, read_range
 from pipeline.tario import ReadLimits, parse_sample
@@ -26,7 +27,7 @@ from pipeline.tario import ReadLimits, parse_sample
 __all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "validate_first_batch"]
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
+STATE_VERSION = 2
 _MAX_STRETCHES = 16  # resumptions within one epoch
 # Settings a saved state must share with the loader that resumes it: they decide the samples' order.
 _ORDER_SETTINGS = ("seed", "batch_size", "drop_last", "shuffle", "shuffle_window")
@@ -45,9 +46,11 @@ class LoaderConfig:
     on_error: str = "raise"
     max_errors: int | float | None = None  # with on_error="skip": more skips in an epoch, or a larger fraction, fail
     limits: ReadLimits = ReadLimits()
+    unit_cache_bytes: int = 256 << 20  # per worker: samples of several units kept open for their next units
 
     def __post_init__(self) -> None:
-        for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1)):
+        for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1),
+                          ("unit_cache_bytes", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -68,25 +71,40 @@ class _WorkerError:
 
 @dataclasses.dataclass(frozen=True)
 class _Source:
-    """One dataset's split, as the reader needs it: shard names, keys and byte offsets."""
+    """One dataset's split, as the reader needs it: shard names, keys, byte offsets and units."""
 
     root: str
     names: tuple[str, ...]
     keys: tuple[tuple[str, ...], ...]
     offsets: tuple[np.ndarray, ...]
-    sizes: tuple[int, ...]
+    unit_starts: tuple[np.ndarray | None, ...]  # per shard: each sample's first unit (None: one unit each)
+    sizes: tuple[int, ...]  # units per shard
     shard_bytes: tuple[int, ...]
 
     @classmethod
-    def of(cls, root: str, manifest: Manifest, split: str) -> _Source:
+    def of(cls, root: str, manifest: Manifest, split: str, kind: Kind, options: Any) -> _Source:
         shards = manifest.splits[split]
+        starts = []
+        for shard in shards:
+            units = kind.units(shard, options)
+            starts.append(None if units is None else np.concatenate(([0], np.cumsum(units))).astype(np.int64))
         return cls(root, tuple(s.name for s in shards), tuple(s.keys for s in shards),
-                   tuple(np.asarray(s.offsets, dtype=np.int64) for s in shards), tuple(s.samples for s in shards),
+                   tuple(np.asarray(s.offsets, dtype=np.int64) for s in shards), tuple(starts),
+                   tuple(s.samples if u is None else int(u[-1]) for s, u in zip(shards, starts)),
                    tuple(s.bytes for s in shards))
 
     @property
     def first_id(self) -> np.ndarray:
         return np.concatenate(([0], np.cumsum(self.sizes)[:-1])).astype(np.int64)
+
+    def locate(self, unit_id: int, first_id: np.ndarray) -> tuple[int, int, int, int]:
+        """(shard, sample index, unit within the sample, units in the sample) of a unit id."""
+        shard = int(np.searchsorted(first_id, unit_id, side="right")) - 1
+        local, starts = unit_id - int(first_id[shard]), self.unit_starts[shard]
+        if starts is None:
+            return shard, local, 0, 1
+        index = int(np.searchsorted(starts, local, side="right")) - 1
+        return shard, index, local - int(starts[index]), int(starts[index + 1] - starts[index])
 
 
 class _ShardStream(IterableDataset):
@@ -95,7 +113,7 @@ class _ShardStream(IterableDataset):
     def __init__(self, sources: list[_Source], mix: Mix | None, kind: str, options: Any, config: LoaderConfig,
                  rank: int, world_size: int, storage_options: dict[str, Any] | None) -> None:
         self.sources, self.mix = sources, mix
-        self.kind = KINDS[kind]
+        self.kind_name = kind
         self.options, self.config = options, config
         self.rank, self.world_size = rank, world_size
         self.storage_options = storage_options
@@ -104,6 +122,10 @@ class _ShardStream(IterableDataset):
         self.state = torch.zeros(2 + 2 * _MAX_STRETCHES, dtype=torch.int64).share_memory_()
         # Samples skipped per worker: over all epochs (row 0) and in the current iteration (row 1).
         self.skipped = torch.zeros(2, max(1, config.num_workers), dtype=torch.int64).share_memory_()
+
+    @property
+    def kind(self) -> Kind:
+        return KINDS[self.kind_name]
 
     @property
     def epoch(self) -> int:
@@ -153,13 +175,14 @@ class _ShardStream(IterableDataset):
         filesystems = [filesystem(s.root, self.storage_options) for s in self.sources]
         first_ids = [s.first_id for s in self.sources]
         sized: set[tuple[int, int]] = set()  # shards whose size this iteration has checked
+        opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int]] = collections.OrderedDict()
         for batch, sources, ids in plan:
             samples = []
-            for source, sample_id in zip(sources.tolist(), ids.tolist()):
-                shard = int(np.searchsorted(first_ids[source], sample_id, side="right")) - 1
+            for source, unit_id in zip(sources.tolist(), ids.tolist()):
+                shard, index, unit, units = self.sources[source].locate(unit_id, first_ids[source])
                 try:
-                    samples.append(self._load(filesystems[source], source, shard,
-                                              sample_id - int(first_ids[source][shard]), epoch, sized))
+                    samples.append(self._load(filesystems[source], (source, shard, index), unit, units, epoch,
+                                              sized, opened))
                 except ShardstreamError as exc:
                     if cfg.on_error == "raise":
                         raise
@@ -173,26 +196,38 @@ class _ShardStream(IterableDataset):
                 raise ShardError(self.sources[0].root, f"all {len(ids)} samples of batch {batch} failed; ranks cannot stay in step")
             yield self.kind.collate(samples, self.options)
 
-    def _load(self, fs: tuple[Any, str], number: int, shard: int, index: int, epoch: int,
-              sized: set[tuple[int, int]]) -> dict[str, Any]:
+    def _load(self, fs: tuple[Any, str], where: tuple[int, int, int], unit: int, units: int, epoch: int,
+              sized: set[tuple[int, int]], opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int]]
+              ) -> dict[str, Any]:
+        """Decode one unit; a sample of several units is opened once and kept (LRU, by bytes) for the rest."""
+        number, shard, index = where
         source = self.sources[number]
         (filesystem_, base), name, key = fs, source.names[shard], source.keys[shard][index]
         url = join(source.root, name)
-        if (number, shard) not in sized:  # a shard replaced or cut since packing: say so at once
-            try:
-                size = filesystem_.size(join(base, name))
-            except FileNotFoundError as exc:
-                raise ShardError(url, f"sample {key!r}: shard is missing") from exc
-            if size != source.shard_bytes[shard]:
-                raise ShardError(url, f"sample {key!r}: shard is {size} bytes, the manifest says {source.shard_bytes[shard]}")
-            sized.add((number, shard))
-        start, end = (int(o) for o in source.offsets[shard][index : index + 2])
-        limits = self.config.limits
-        if end - start > limits.max_sample_bytes:
-            raise ShardError(url, f"sample {key!r} spans {end - start} bytes, more than max_sample_bytes={limits.max_sample_bytes}")
-        data = read_range(filesystem_, join(base, name), url, start, end, key)
-        members = parse_sample(data, url, key, limits)
-        return self.kind.decode(members, self.options, seed=self.config.seed, epoch=epoch, url=url, key=key)
+        if where in opened:
+            opened.move_to_end(where)
+            sample = opened[where][0]
+        else:
+            if (number, shard) not in sized:  # a shard replaced or cut since packing: say so at once
+                try:
+                    size = filesystem_.size(join(base, name))
+                except FileNotFoundError as exc:
+                    raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+                if size != source.shard_bytes[shard]:
+                    raise ShardError(url, f"sample {key!r}: shard is {size} bytes, the manifest says {source.shard_bytes[shard]}")
+                sized.add((number, shard))
+            start, end = (int(o) for o in source.offsets[shard][index : index + 2])
+            limits = self.config.limits
+            if end - start > limits.max_sample_bytes:
+                raise ShardError(url, f"sample {key!r} spans {end - start} bytes, more than max_sample_bytes={limits.max_sample_bytes}")
+            data = read_range(filesystem_, join(base, name), url, start, end, key)
+            sample = self.kind.open(parse_sample(data, url, key, limits), self.options, url=url, key=key)
+            if units > 1:
+                opened[where] = (sample, end - start)
+                held = sum(size for _, size in opened.values())
+                while held > self.config.unit_cache_bytes and len(opened) > 1:
+                    held -= opened.popitem(last=False)[1][1]
+        return self.kind.decode(sample, self.options, unit=unit, seed=self.config.seed, epoch=epoch, url=url, key=key)
 
 
 class StreamLoader:
@@ -254,6 +289,7 @@ class StreamLoader:
         """What a saved state must share with the loader that resumes it."""
         config = self._stream.config
         return {"version": STATE_VERSION, "fingerprint": self._fingerprint, "split": self.split,
+                "units": [sum(s.sizes) for s in self._stream.sources],
                 **{name: getattr(config, name) for name in _ORDER_SETTINGS}}
 
     def state_dict(self) -> dict[str, Any]:
@@ -320,9 +356,6 @@ def make_stream_loader(
     prefetch_factor: int = 2,
     persistent_workers: bool | None = None,
     drop_last: bool = True,
-    image_size: int = 1024,
-    mask_size: int | None = 256,
-    max_masks: int | Callable[[int], int] = 64,
     on_error: str = "raise",
     shuffle_window: int = 16384,
     rank: int | None = None,
@@ -333,6 +366,8 @@ def make_stream_loader(
     epoch_size: int | None = None,
     max_errors: int | float | None = None,
     limits: ReadLimits | None = None,
+    unit_cache_bytes: int = 256 << 20,
+    **options: Any,
 ) -> StreamLoader:
     """A loader over `split` of the dataset at `source` (a folder written by `shard-pack`), or
     of several datasets of one kind: a list of sources, concatenated or, with `weights`, mixed in
@@ -344,9 +379,15 @@ def make_stream_loader(
     is initialised. `persistent_workers=None` keeps workers alive across epochs when there are any.
     `limits` caps what an (untrusted) shard can make the reader do; with `on_error="skip"`,
     `max_errors` (a count, or a fraction of the rank's samples) bounds the skips per epoch.
+
+    `**options` are the kind's (the manifest says which kind): for SA-1B `image_size=1024`,
+    `mask_size=256`, `max_masks=64` (an int, or a function of the epoch). Kinds whose samples
+    hold several units (rows of a block, questions of an image) yield units; each worker keeps up
+    to `unit_cache_bytes` of such samples open for their next units.
     """
     limits = limits or ReadLimits()
-    config = LoaderConfig(batch_size, num_workers, shuffle, seed, drop_last, shuffle_window, on_error, max_errors, limits)
+    config = LoaderConfig(batch_size, num_workers, shuffle, seed, drop_last, shuffle_window, on_error, max_errors, limits,
+                          unit_cache_bytes)
     resolved, pin = _resolve_device(device, pin_memory)
     if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -361,12 +402,16 @@ def make_stream_loader(
         for shard in manifest.splits[split]:
             if shard.bytes > limits.max_shard_bytes:
                 raise ManifestError(join(root, shard.name), f"{shard.bytes} bytes, more than max_shard_bytes={limits.max_shard_bytes}")
-    sources = [_Source.of(root, manifest, split) for root, manifest in zip(roots, manifests)]
+    kind = KINDS[manifests[0].kind]
+    try:
+        kind_options = kind.options(manifests, limits, **options)
+    except TypeError as exc:  # an option this kind does not have
+        raise ValueError(f"{manifests[0].kind} datasets do not take these options {sorted(options)}: {exc}") from exc
+    sources = [_Source.of(root, manifest, split, kind, kind_options) for root, manifest in zip(roots, manifests)]
     mix = None if len(sources) == 1 and weights is None and epoch_size is None else \
         Mix.of([sum(s.sizes) for s in sources], weights, epoch_size)
-    options = KINDS[manifests[0].kind].options(image_size=image_size, mask_size=mask_size, max_masks=max_masks,
-                                               max_image_pixels=limits.max_image_pixels)
-    stream = _ShardStream(sources, mix, manifests[0].kind, options, config, world.rank, world.world_size, storage_options)
+    stream = _ShardStream(sources, mix, manifests[0].kind, kind_options, config, world.rank, world.world_size,
+                          storage_options)
     if stream.batches() == 0:
         total = epoch_samples([s.sizes for s in sources], mix)
         raise ValueError(

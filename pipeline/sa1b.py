@@ -120,8 +120,9 @@ def decode_image(data: bytes, frame: tuple[int, int], url: str, key: str,
     return F.interpolate(pixels[None], size=(height, width), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
-def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, seed: int, epoch: int, url: str, key: str) -> dict[str, Any]:
-    """One SA-1B sample: image in its frame, up to `max_masks` masks chosen before any is decoded."""
+def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int = 0, seed: int, epoch: int, url: str,
+                  key: str) -> dict[str, Any]:
+    """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is decoded."""
     if set(members) != {SA1B_JPG, SA1B_ANN}:
         raise SampleError(url, key, None, f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_ANN]}")
     try:

@@ -64,6 +64,8 @@ class Part:
 class SampleRef:
     key: str
     parts: tuple[tuple[str, Part], ...]  # (role, part), e.g. ("jpg", ...), ("json", ...)
+    split: str | None = None  # set by sources whose input says the split (else: by key hash)
+    units: int = 1  # units the loader yields from this sample (e.g. questions of an image)
 
     @property
     def size(self) -> int:
@@ -88,7 +90,7 @@ class PackOptions:
 
     shard_samples: int = 1000
     shard_bytes: int = 1 << 30  # of input: the shard on disk is about that or smaller
-    splits: tuple[tuple[str, float], ...] = (("train", 1.0),)
+    splits: tuple[tuple[str, float], ...] | None = (("train", 1.0),)  # None: the source sets each sample's split
     workers: int = 1
     max_skipped: int = 10
     dask: str | None = None  # a scheduler address (tcp://host:8786) or local:N for a local cluster
@@ -100,10 +102,12 @@ class PackOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.max_skipped, int) or self.max_skipped < 0:
             raise ValueError(f"max_skipped must be an int >= 0, got {self.max_skipped!r}")
-        names = [n for n, _ in self.splits]
-        if not self.splits or len(set(names)) != len(names) or any(not n.isidentifier() for n in names):
-            raise ValueError(f"split names must be distinct identifiers, got {names}")
-        if any(f <= 0 for _, f in self.splits) or abs(sum(f for _, f in self.splits) - 1) > 1e-9:
+        if self.splits is None:
+            pass
+        elif not self.splits or len({n for n, _ in self.splits}) != len(self.splits) \
+                or any(not n.isidentifier() for n, _ in self.splits):
+            raise ValueError(f"split names must be distinct identifiers, got {[n for n, _ in self.splits]}")
+        elif any(f <= 0 for _, f in self.splits) or abs(sum(f for _, f in self.splits) - 1) > 1e-9:
             raise ValueError(f"split fractions must be > 0 and sum to 1, got {dict(self.splits)}")
         if self.dask is not None and not (self.dask.startswith(("tcp://", "tls://", "ucx://", "inproc://"))
                                           or self.dask.removeprefix("local:").isdigit()):
@@ -142,10 +146,18 @@ class _Task:
 
 
 def _plan(refs: Sequence[SampleRef], options: PackOptions) -> list[_Task]:
-    """Consecutive runs of each split's sorted samples, cut at `shard_samples` or `shard_bytes` of input."""
-    by_split: dict[str, list[SampleRef]] = {name: [] for name, _ in options.splits}
-    for ref in refs:
-        by_split[split_of(ref.key, options.splits)].append(ref)
+    """Consecutive runs of each split's samples (in the source's order), cut at `shard_samples` or
+    `shard_bytes` of input. The split is the source's (`ref.split`) or, by default, a hash of the key."""
+    by_split: dict[str, list[SampleRef]] = {}
+    if options.splits is None:
+        for ref in refs:
+            if ref.split is None or not ref.split.isidentifier():
+                raise PackError(f"sample {ref.key!r}: the source gives no valid split ({ref.split!r})")
+            by_split.setdefault(ref.split, []).append(ref)
+    else:
+        by_split = {name: [] for name, _ in options.splits}
+        for ref in refs:
+            by_split[split_of(ref.key, options.splits)].append(ref)
     tasks = []
     for split, members in by_split.items():
         chunks: list[list[SampleRef]] = []
@@ -163,7 +175,7 @@ def _plan(refs: Sequence[SampleRef], options: PackOptions) -> list[_Task]:
 def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
     """Write one shard; bad samples are skipped and reported. Pure in its inputs: same bytes every time."""
     writer = ShardWriter(os.path.join(out, task.name))
-    skipped, counts = [], {"samples": 0}
+    skipped, counts, units = [], {"samples": 0}, []
     try:
         for ref in task.refs:
             try:
@@ -172,6 +184,7 @@ def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
                 skipped.append({"source": exc.url, "key": ref.key, "reason": str(exc)})
                 continue
             writer.add(ref.key, members)
+            units.append(ref.units)
             counts["samples"] += 1
             for name, value in stats.items():
                 counts[name] = counts.get(name, 0) + value
@@ -179,7 +192,8 @@ def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
     except BaseException:
         writer.abort()
         raise
-    info = ShardInfo(task.name, writer.size, sha, tuple(writer.keys), tuple(writer.offsets))
+    info = ShardInfo(task.name, writer.size, sha, tuple(writer.keys), tuple(writer.offsets),
+                     tuple(units) if any(u != 1 for u in units) else None)
     record = {"shard": info.to_json(), "skipped": skipped, "counts": counts, "split": task.split}
     _write_atomic(os.path.join(out, STATE_DIR, task.name + ".json"), json.dumps(record).encode())
     return record
@@ -245,7 +259,7 @@ class _Progress:
 def _fingerprint(kind: str, options: dict[str, Any], refs: Iterable[SampleRef]) -> str:
     digest = hashlib.sha256(json.dumps([kind, options], sort_keys=True).encode())
     for ref in refs:
-        digest.update(json.dumps([ref.key, [(r, p.name, p.size) for r, p in ref.parts]]).encode())
+        digest.update(json.dumps([ref.key, [(r, p.name, p.size) for r, p in ref.parts], ref.split, ref.units]).encode())
     return digest.hexdigest()
 
 
@@ -271,7 +285,7 @@ def pack(
         "kind_options": source.options(),
         "shard_samples": options.shard_samples,
         "shard_bytes": options.shard_bytes,
-        "splits": [list(s) for s in options.splits],
+        "splits": None if options.splits is None else [list(s) for s in options.splits],
     }
     fingerprint = _fingerprint(source.kind, stored_options, refs)
     state = os.path.join(out, STATE_DIR)
@@ -323,8 +337,9 @@ def pack(
             f"{len(all_skipped)} samples skipped, more than --max-skipped {options.max_skipped}; the shards are kept "
             f"in {out} but no manifest was written (fix the input, or run again with a higher --max-skipped)"
         )
+    names = [n for n, _ in options.splits] if options.splits is not None else sorted({t.split for t in tasks})
     splits = {name: tuple(ShardInfo.from_json(records[t.name]["shard"], out) for t in tasks if t.split == name)
-              for name, _ in options.splits}
+              for name in names}
     manifest = Manifest(source.kind, splits, stored_options, fingerprint, tuple(all_skipped))
     _write_atomic(manifest_path, manifest.to_json())
     shutil.rmtree(state)

@@ -38,6 +38,7 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
     """Every problem in the dataset (missing shards, size or checksum mismatches, undecodable samples)."""
     manifest = read_manifest(root, storage_options)
     kind = KINDS[manifest.kind]
+    options = kind.verify_options(manifest)
     fs, base = filesystem(root, storage_options)
     problems: list[str] = []
     total = sum(s.samples for shards in manifest.splits.values() for s in shards)
@@ -63,8 +64,10 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
                 bar.update(1)
                 try:
                     data = read_range(fs, path, url, shard.offsets[i], shard.offsets[i + 1], key)
-                    members = parse_sample(data, url, key)
-                    kind.decode(members, kind.verify_options, seed=0, epoch=0, url=url, key=key)
+                    sample = kind.open(parse_sample(data, url, key), options, url=url, key=key)
+                    units = kind.units(shard, options)
+                    for unit in range(1 if units is None else int(units[i])):
+                        kind.decode(sample, options, unit=unit, seed=0, epoch=0, url=url, key=key)
                 except ShardstreamError as exc:
                     problems.append(str(exc))
             tail = fs.cat_file(path, start=shard.offsets[-1], end=size) if size >= shard.offsets[-1] else b""
