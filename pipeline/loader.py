@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -21,7 +22,7 @@ from pipeline.errors import ManifestError, ShardError, ShardstreamError
 from pipeline.format import Manifest
 from pipeline.kinds import KINDS, Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_positions
-from pipeline.storage import filesystem, join, read_manifest, read_range
+from pipeline.storage import Retry, ShardCache, ShardReader, join, read_manifest
 from pipeline.tario import ReadLimits, parse_sample
 
 __all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "validate_first_batch"]
@@ -47,10 +48,15 @@ class LoaderConfig:
     max_errors: int | float | None = None  # with on_error="skip": more skips in an epoch, or a larger fraction, fail
     limits: ReadLimits = ReadLimits()
     unit_cache_bytes: int = 256 << 20  # per worker: samples of several units kept open for their next units
+    retry: Retry = Retry()
+    cache_dir: str | None = None  # with cache_limit: whole shards kept on local disk (see storage.ShardCache)
+    cache_limit: int | None = None
+    read_ahead: int = 1  # batches whose samples are read while the current one decodes
+    read_threads: int = 8  # per worker
 
     def __post_init__(self) -> None:
         for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1),
-                          ("unit_cache_bytes", 0)):
+                          ("unit_cache_bytes", 0), ("read_ahead", 0), ("read_threads", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -60,6 +66,10 @@ class LoaderConfig:
         if not (budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0)
                 or (isinstance(budget, float) and 0 < budget < 1)):
             raise ValueError(f"max_errors must be None, an int >= 0 or a fraction in (0, 1), got {budget!r}")
+        if (self.cache_dir is None) != (self.cache_limit is None):
+            raise ValueError(f"cache_dir and cache_limit go together, got {self.cache_dir!r} and {self.cache_limit!r}")
+        if self.cache_limit is not None and (not isinstance(self.cache_limit, int) or self.cache_limit < 1):
+            raise ValueError(f"cache_limit must be a positive number of bytes, got {self.cache_limit!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +90,7 @@ class _Source:
     unit_starts: tuple[np.ndarray | None, ...]  # per shard: each sample's first unit (None: one unit each)
     sizes: tuple[int, ...]  # units per shard
     shard_bytes: tuple[int, ...]
+    sha256: tuple[str, ...]
 
     @classmethod
     def of(cls, root: str, manifest: Manifest, split: str, kind: Kind, options: Any) -> _Source:
@@ -91,7 +102,7 @@ class _Source:
         return cls(root, tuple(s.name for s in shards), tuple(s.keys for s in shards),
                    tuple(np.asarray(s.offsets, dtype=np.int64) for s in shards), tuple(starts),
                    tuple(s.samples if u is None else int(u[-1]) for s, u in zip(shards, starts)),
-                   tuple(s.bytes for s in shards))
+                   tuple(s.bytes for s in shards), tuple(s.sha256 for s in shards))
 
     @property
     def first_id(self) -> np.ndarray:
@@ -172,58 +183,77 @@ class _ShardStream(IterableDataset):
         plan = plan_epoch([s.sizes for s in self.sources], cfg.seed, epoch, world, batch_size=cfg.batch_size,
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
-        filesystems = [filesystem(s.root, self.storage_options) for s in self.sources]
+        cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None and cfg.cache_limit else None
+        readers = [ShardReader(s.root, self.storage_options, cfg.retry, cache) for s in self.sources]
         first_ids = [s.first_id for s in self.sources]
+        work = [(batch, [(source, *self.sources[source].locate(unit_id, first_ids[source]))
+                         for source, unit_id in zip(sources.tolist(), ids.tolist())]) for batch, sources, ids in plan]
         sized: set[tuple[int, int]] = set()  # shards whose size this iteration has checked
         opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int]] = collections.OrderedDict()
-        for batch, sources, ids in plan:
-            samples = []
-            for source, unit_id in zip(sources.tolist(), ids.tolist()):
-                shard, index, unit, units = self.sources[source].locate(unit_id, first_ids[source])
-                try:
-                    samples.append(self._load(filesystems[source], (source, shard, index), unit, units, epoch,
-                                              sized, opened))
-                except ShardstreamError as exc:
-                    if cfg.on_error == "raise":
-                        raise
-                    self.skipped[:, world.worker] += 1
-                    log.warning("skipped: %s", exc)
-                    skipped = int(self.skipped[1].sum())
-                    if budget is not None and skipped > budget:
-                        raise ShardError(self.sources[source].root, f"{skipped} samples skipped in this epoch, more "
-                                         f"than max_errors={cfg.max_errors} allows ({budget}); last: {exc}") from exc
-            if not samples:
-                raise ShardError(self.sources[0].root, f"all {len(ids)} samples of batch {batch} failed; ranks cannot stay in step")
-            yield self.kind.collate(samples, self.options)
+        inflight: dict[tuple[int, int, int], concurrent.futures.Future[bytes]] = {}
+        pool = concurrent.futures.ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="shardstream-read")
+        try:
+            for i, (batch, units) in enumerate(work):
+                for _, later in work[i : i + 1 + cfg.read_ahead]:  # reads of the next batches overlap decoding
+                    for source, shard, index, _, _ in later:
+                        where = (source, shard, index)
+                        if where not in opened and where not in inflight:
+                            inflight[where] = pool.submit(self._read, readers[source], where, sized)
+                samples = []
+                for source, shard, index, unit, count in units:
+                    where = (source, shard, index)
+                    try:
+                        samples.append(self._decode(readers[source], where, unit, count, epoch, sized, opened, inflight))
+                    except ShardstreamError as exc:
+                        if cfg.on_error == "raise":
+                            raise
+                        self.skipped[:, world.worker] += 1
+                        log.warning("skipped: %s", exc)
+                        skipped = int(self.skipped[1].sum())
+                        if budget is not None and skipped > budget:
+                            raise ShardError(self.sources[source].root, f"{skipped} samples skipped in this epoch, more "
+                                             f"than max_errors={cfg.max_errors} allows ({budget}); last: {exc}") from exc
+                if not samples:
+                    raise ShardError(self.sources[0].root, f"all {len(units)} samples of batch {batch} failed; ranks cannot stay in step")
+                yield self.kind.collate(samples, self.options)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    def _load(self, fs: tuple[Any, str], where: tuple[int, int, int], unit: int, units: int, epoch: int,
-              sized: set[tuple[int, int]], opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int]]
-              ) -> dict[str, Any]:
+    def _read(self, reader: ShardReader, where: tuple[int, int, int], sized: set[tuple[int, int]]) -> bytes:
+        """One sample's bytes (in a reader thread), after checking once per iteration that its shard has
+        the size the manifest says (a shard replaced or cut since packing is named at once)."""
+        number, shard, index = where
+        source = self.sources[number]
+        name, key = source.names[shard], source.keys[shard][index]
+        if (number, shard) not in sized:
+            size = reader.size(name, key)
+            if size != source.shard_bytes[shard]:
+                raise ShardError(join(source.root, name), f"sample {key!r}: shard is {size} bytes, the manifest says "
+                                 f"{source.shard_bytes[shard]}")
+            sized.add((number, shard))
+        start, end = (int(o) for o in source.offsets[shard][index : index + 2])
+        limits = self.config.limits
+        if end - start > limits.max_sample_bytes:
+            raise ShardError(join(source.root, name), f"sample {key!r} spans {end - start} bytes, more than "
+                             f"max_sample_bytes={limits.max_sample_bytes}")
+        return reader.read(name, source.shard_bytes[shard], source.sha256[shard], start, end, key)
+
+    def _decode(self, reader: ShardReader, where: tuple[int, int, int], unit: int, count: int, epoch: int,
+                sized: set[tuple[int, int]], opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int]],
+                inflight: dict[tuple[int, int, int], concurrent.futures.Future[bytes]]) -> dict[str, Any]:
         """Decode one unit; a sample of several units is opened once and kept (LRU, by bytes) for the rest."""
         number, shard, index = where
         source = self.sources[number]
-        (filesystem_, base), name, key = fs, source.names[shard], source.keys[shard][index]
-        url = join(source.root, name)
+        url, key = join(source.root, source.names[shard]), source.keys[shard][index]
         if where in opened:
             opened.move_to_end(where)
             sample = opened[where][0]
         else:
-            if (number, shard) not in sized:  # a shard replaced or cut since packing: say so at once
-                try:
-                    size = filesystem_.size(join(base, name))
-                except FileNotFoundError as exc:
-                    raise ShardError(url, f"sample {key!r}: shard is missing") from exc
-                if size != source.shard_bytes[shard]:
-                    raise ShardError(url, f"sample {key!r}: shard is {size} bytes, the manifest says {source.shard_bytes[shard]}")
-                sized.add((number, shard))
-            start, end = (int(o) for o in source.offsets[shard][index : index + 2])
-            limits = self.config.limits
-            if end - start > limits.max_sample_bytes:
-                raise ShardError(url, f"sample {key!r} spans {end - start} bytes, more than max_sample_bytes={limits.max_sample_bytes}")
-            data = read_range(filesystem_, join(base, name), url, start, end, key)
-            sample = self.kind.open(parse_sample(data, url, key, limits), self.options, url=url, key=key)
-            if units > 1:
-                opened[where] = (sample, end - start)
+            future = inflight.pop(where, None)
+            data = future.result() if future is not None else self._read(reader, where, sized)
+            sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key)
+            if count > 1:
+                opened[where] = (sample, len(data))
                 held = sum(size for _, size in opened.values())
                 while held > self.config.unit_cache_bytes and len(opened) > 1:
                     held -= opened.popitem(last=False)[1][1]
@@ -367,6 +397,10 @@ def make_stream_loader(
     max_errors: int | float | None = None,
     limits: ReadLimits | None = None,
     unit_cache_bytes: int = 256 << 20,
+    cache_dir: str | None = None,
+    cache_limit: int | None = None,
+    retry: Retry | None = None,
+    read_ahead: int = 1,
     **options: Any,
 ) -> StreamLoader:
     """A loader over `split` of the dataset at `source` (a folder written by `shard-pack`), or
@@ -384,16 +418,22 @@ def make_stream_loader(
     `mask_size=256`, `max_masks=64` (an int, or a function of the epoch). Kinds whose samples
     hold several units (rows of a block, questions of an image) yield units; each worker keeps up
     to `unit_cache_bytes` of such samples open for their next units.
+
+    Storage: `source` is a local folder or any fsspec URL (`s3://bucket/prefix`, `gs://`,
+    `https://`), opened in each worker with `storage_options` (e.g. s3fs's `endpoint_url`, `key`,
+    `secret`, `anon`). Samples are read by byte range, `read_ahead` batches ahead of decoding;
+    transient failures are retried as `retry` says. With `cache_dir` and `cache_limit` (bytes),
+    remote shards are kept whole on local disk, least recently used evicted (`storage.ShardCache`).
     """
     limits = limits or ReadLimits()
     config = LoaderConfig(batch_size, num_workers, shuffle, seed, drop_last, shuffle_window, on_error, max_errors, limits,
-                          unit_cache_bytes)
+                          unit_cache_bytes, retry or Retry(), cache_dir, cache_limit, read_ahead)
     resolved, pin = _resolve_device(device, pin_memory)
     if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     world = World(rank or 0, world_size or 1)
     roots = [source] if isinstance(source, str) else list(source)
-    manifests = [read_manifest(root, storage_options) for root in roots]
+    manifests = [read_manifest(root, storage_options, config.retry) for root in roots]
     for root, manifest in zip(roots, manifests):
         if split not in manifest.splits:
             raise ValueError(f"{root}: no split {split!r}; the dataset has {sorted(manifest.splits)}")

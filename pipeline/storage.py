@@ -1,19 +1,97 @@
-"""All reads go through here (fsspec: local paths and URLs alike)."""
+"""All reads and writes of datasets go through here: fsspec filesystems (local paths and URLs
+alike), one layer of retries, and the opt-in local shard cache.
+
+Retries live in one place. For `s3://`, botocore's and s3fs's own retry loops are turned off
+(they multiply: 5 x 5 tries by default) unless the caller sets them, so `Retry` alone decides how
+often a request is tried: transient failures (HTTP 5xx / SlowDown, connection reset, truncated
+body, timeout) back off exponentially with jitter, and a range read resumes from the byte it
+reached. A failure that is not transient (missing object, bad credentials) fails at once.
+
+Filesystems are made in the process that uses them (`ShardReader` is built inside each DataLoader
+worker): s3fs is not fork-safe.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import logging
+import os
 import posixpath
-from typing import Any
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ManifestError, ShardError
 from pipeline.format import MANIFEST_NAME, Manifest
 
-__all__ = ["MAX_MANIFEST_BYTES", "join", "filesystem", "read_manifest", "read_range"]
+__all__ = [
+    "MAX_MANIFEST_BYTES", "Retry", "ShardCache", "ShardReader", "join", "filesystem", "is_local", "read_manifest",
+    "read_range", "with_retries", "write_bytes",
+]
 
+log = logging.getLogger(__name__)
 MAX_MANIFEST_BYTES = 4 << 30  # SA-1B's 11M samples need ~0.3 GB
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+_TRANSPORT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """How transient storage failures are retried: up to `attempts` tries of each request, waiting
+    `initial_delay * 2**n` (at most `max_delay`) times a random factor in [0.5, 1.5) between tries."""
+
+    attempts: int = 6
+    initial_delay: float = 0.2
+    max_delay: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"attempts must be an int >= 1, got {self.attempts!r}")
+        if not (0 <= self.initial_delay <= self.max_delay):
+            raise ValueError(f"need 0 <= initial_delay <= max_delay, got {self.initial_delay}, {self.max_delay}")
+
+    def delay(self, failures: int) -> float:
+        return min(self.max_delay, self.initial_delay * 2 ** (failures - 1)) * random.uniform(0.5, 1.5)
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a storage failure may go away if tried again."""
+    if isinstance(exc, _PERMANENT):
+        return False
+    status = getattr(exc, "status", None)  # aiohttp / http responses
+    if isinstance(status, int):
+        return status >= 500 or status == 429
+    return isinstance(exc, (OSError, TimeoutError, _Truncated)) or type(exc).__module__.split(".")[0] in _TRANSPORT_MODULES
+
+
+class _Truncated(Exception):
+    """A read returned fewer bytes than asked for (a body cut short)."""
+
+
+def with_retries(retry: Retry, what: str, call: Callable[[], T]) -> T:
+    """`call()`, tried again on transient failures; the last failure propagates (with a note)."""
+    for attempt in range(1, retry.attempts + 1):
+        try:
+            return call()
+        except Exception as exc:
+            if not transient(exc) or attempt == retry.attempts:
+                if attempt > 1:
+                    exc.add_note(f"{what}: failed {attempt} times")
+                raise
+            wait = retry.delay(attempt)
+            log.info("%s: %r; try %d of %d in %.2f s", what, exc, attempt + 1, retry.attempts, wait)
+        time.sleep(wait)
+    raise AssertionError("unreachable")
 
 
 def join(root: str, name: str) -> str:
@@ -21,33 +99,242 @@ def join(root: str, name: str) -> str:
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and path of a URL; call it in the process that reads (filesystems are not fork-safe)."""
-    return url_to_fs(url, **(storage_options or {}))
+    """The filesystem and path of a URL, with s3fs's and botocore's retries off unless the options set
+    them (`Retry` is the one retry layer). Call it in the process that reads: filesystems are not fork-safe."""
+    options = dict(storage_options or {})
+    if url.startswith(("s3://", "s3a://")):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1})
+        options["config_kwargs"] = config
+        options.setdefault("skip_instance_cache", True)  # our instance: its `retries` below is ours to set
+    fs, path = url_to_fs(url, **options)
+    if url.startswith(("s3://", "s3a://")) and "retries" not in (storage_options or {}):
+        fs.retries = 1  # s3fs's own loop: one try
+    return fs, path
 
 
-def read_manifest(root: str, storage_options: dict[str, Any] | None = None) -> Manifest:
-    url = join(root, MANIFEST_NAME)
-    fs, path = filesystem(url, storage_options)
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, end: int, key: str | None = None,
+               retry: Retry = Retry()) -> bytes:
+    """Bytes [start, end) of a shard (holding sample `key`). Transient failures are retried, resuming
+    from the byte reached; a missing file, a short file or a failure past the retries is a ShardError."""
+    what = f"sample {key!r}: " if key is not None else ""
+    parts: list[bytes] = []
+    reached = start
+
+    def attempt() -> None:
+        nonlocal reached
+        while reached < end:
+            data = fs.cat_file(path, start=reached, end=end)
+            if not data:
+                raise _Truncated(f"no bytes at {reached}")
+            parts.append(data)
+            reached += len(data)
+
     try:
-        if fs.size(path) > MAX_MANIFEST_BYTES:
-            raise ManifestError(url, f"larger than {MAX_MANIFEST_BYTES} bytes: not a manifest this reader accepts")
-        data = fs.cat_file(path)
+        with_retries(retry, f"{url} bytes {start}-{end}", attempt)
     except FileNotFoundError as exc:
-        raise ManifestError(url, "no manifest: is this a folder written by `shard-pack`?") from exc
-    except OSError as exc:
-        raise ManifestError(url, f"cannot read manifest: {exc}") from exc
+        raise ShardError(url, f"{what}shard is missing") from exc
+    except _Truncated as exc:
+        raise ShardError(url, f"{what}truncated: bytes {start}-{end} gave {reached - start} bytes ({exc})") from exc
+    except Exception as exc:
+        if transient(exc):
+            raise ShardError(url, f"{what}cannot read bytes {start}-{end} after {retry.attempts} tries: "
+                             f"{_describe(exc)}") from exc
+        raise ShardError(url, f"{what}cannot read bytes {start}-{end}: {_describe(exc)}") from exc
+    data = b"".join(parts)
+    if len(data) != end - start:  # a server that sent more than asked
+        raise ShardError(url, f"{what}bytes {start}-{end} gave {len(data)} bytes")
+    return data
+
+
+def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retry: Retry = Retry()) -> Manifest:
+    url = join(root, MANIFEST_NAME)
+    try:
+        fs, path = filesystem(url, storage_options)
+        size = with_retries(retry, url, lambda: fs.size(path))
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(url, f"larger than {MAX_MANIFEST_BYTES} bytes: not a manifest this reader accepts")
+        data = read_range(fs, path, url, 0, size, retry=retry) if size else b""
+    except (FileNotFoundError, ShardError) as exc:
+        if isinstance(exc, FileNotFoundError) or isinstance(exc.__cause__, FileNotFoundError):
+            raise ManifestError(url, "no manifest: is this a folder written by `shard-pack`? (or the bucket does "
+                                "not exist)") from exc
+        raise ManifestError(url, f"cannot read manifest: {exc.message}") from exc
+    except PermissionError as exc:
+        raise ManifestError(url, f"access denied: check the credentials in storage_options ({_describe(exc)})") from exc
+    except Exception as exc:
+        raise ManifestError(url, f"cannot read manifest: {_describe(exc)}") from exc
     return Manifest.from_json(data, url)
 
 
-def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, end: int, key: str | None = None) -> bytes:
-    """Bytes [start, end) of a shard (holding sample `key`); a missing file or a short read is a ShardError."""
-    what = f"sample {key!r}: " if key is not None else ""
+def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, retry: Retry = Retry()) -> None:
+    """Write a small file so that readers see all of it or nothing: on a local disk a synced temporary
+    file renamed into place; on object storage one PUT (objects appear only when complete)."""
+    if is_local(fs):
+        partial = f"{path}.partial-{uuid.uuid4().hex}"
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+        return
+    with_retries(retry, fs.unstrip_protocol(path), lambda: fs.pipe_file(path, data))
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """An exclusive lock between processes (and threads) of this node, held while in the block."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        data = fs.cat_file(path, start=start, end=end)
-    except FileNotFoundError as exc:
-        raise ShardError(url, f"{what}shard is missing") from exc
-    except OSError as exc:
-        raise ShardError(url, f"{what}cannot read bytes {start}-{end}: {exc}") from exc
-    if len(data) != end - start:
-        raise ShardError(url, f"{what}truncated: bytes {start}-{end} gave {len(data)} bytes")
-    return data
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class ShardCache:
+    """Whole shards kept on local disk under `directory`, at most `limit` bytes of them.
+
+    Files are named by their SHA-256 (from the manifest), so a shard rewritten upstream is a new
+    entry and nothing stale is ever read. A shard is downloaded by one process at a time (a lock
+    per shard), under a temporary name, checked against its SHA-256 and renamed into place: a
+    partial download is never read. Every use refreshes a file's mtime; making room removes the
+    least recently used files. A file that fails its checksum (checked once per process) is
+    fetched again. Safe for several workers and processes of one node sharing the directory."""
+
+    def __init__(self, directory: str, limit: int) -> None:
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"cache_limit must be a positive number of bytes, got {limit!r}")
+        os.makedirs(directory, exist_ok=True)
+        self.directory, self.limit = directory, limit
+        self._verified: set[tuple[int, int]] = set()  # (inode, size) checked by this process
+
+    def _path(self, sha256: str) -> str:
+        return os.path.join(self.directory, f"{sha256}.tar")
+
+    def get(self, url: str, size: int, sha256: str, fetch: Callable[[Any], None]) -> str:
+        """The local path of the shard, fetching it (`fetch(file)` writes all its bytes) if needed."""
+        if size > self.limit:
+            raise ShardError(url, f"shard of {size} bytes does not fit in cache_limit={self.limit}")
+        path = self._path(sha256)
+        if self._usable(path, sha256, url):
+            return path
+        with _locked(path + ".lock"):
+            if self._usable(path, sha256, url):  # another process fetched it meanwhile
+                return path
+            partial = f"{path}.partial-{uuid.uuid4().hex}"
+            try:
+                with open(partial, "wb") as f:
+                    fetch(f)
+                digest = _sha256(partial)
+                if digest != sha256:
+                    raise ShardError(url, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
+                self._make_room(size, keep=path)
+                os.replace(partial, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+            stat = os.stat(path)
+            self._verified.add((stat.st_ino, stat.st_size))
+        log.debug("cached %s as %s", url, path)
+        return path
+
+    def _usable(self, path: str, sha256: str, url: str) -> bool:
+        try:
+            stat = os.stat(path)
+            os.utime(path)  # most recently used
+        except FileNotFoundError:
+            return False
+        if (stat.st_ino, stat.st_size) in self._verified:
+            return True
+        digest = _sha256(path)
+        if digest == sha256:
+            self._verified.add((stat.st_ino, stat.st_size))
+            return True
+        log.warning("%s: cached copy %s has SHA-256 %s, not %s; fetching it again", url, path, digest, sha256)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return False
+
+    def _make_room(self, size: int, keep: str) -> None:
+        with _locked(os.path.join(self.directory, ".evict.lock")):
+            entries = []
+            for name in os.listdir(self.directory):
+                if name.endswith(".tar"):
+                    with contextlib.suppress(FileNotFoundError):
+                        stat = os.stat(os.path.join(self.directory, name))
+                        entries.append((stat.st_mtime_ns, name, stat.st_size))
+            held = sum(e[2] for e in entries)
+            for _, name, bytes_ in sorted(entries):
+                if held + size <= self.limit:
+                    break
+                path = os.path.join(self.directory, name)
+                if path != keep:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)  # a reader holding it open keeps reading it
+                    held -= bytes_
+                    log.debug("evicted %s (%d bytes) from the cache", path, bytes_)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ShardReader:
+    """Reads samples of one dataset's shards by byte range, with retries, from storage or the cache.
+
+    Build it in the process that reads (a DataLoader worker)."""
+
+    FETCH_CHUNK = 64 << 20  # a cache download resumes from the last whole chunk
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None, retry: Retry,
+                 cache: ShardCache | None = None) -> None:
+        self.root, self.retry, self.cache = root, retry, cache
+        self.fs, self.base = filesystem(root, storage_options)
+        if cache is not None and is_local(self.fs):
+            self.cache = None  # local shards are read in place
+
+    def size(self, name: str, key: str) -> int:
+        """The shard's size in bytes (when reading sample `key`, for messages)."""
+        url = join(self.root, name)
+        try:
+            return with_retries(self.retry, url, lambda: self.fs.size(join(self.base, name)))
+        except FileNotFoundError as exc:
+            raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+        except Exception as exc:
+            raise ShardError(url, f"sample {key!r}: cannot stat shard: {_describe(exc)}") from exc
+
+    def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str) -> bytes:
+        url, path = join(self.root, name), join(self.base, name)
+        if self.cache is None:
+            return read_range(self.fs, path, url, start, end, key, self.retry)
+
+        def fetch(f: Any) -> None:
+            for offset in range(0, size, self.FETCH_CHUNK):
+                f.write(read_range(self.fs, path, url, offset, min(offset + self.FETCH_CHUNK, size), key, self.retry))
+
+        for _ in range(2):  # the cached file may be evicted between finding and opening it
+            local = self.cache.get(url, size, sha256, fetch)
+            try:
+                with open(local, "rb") as f:
+                    f.seek(start)
+                    data = f.read(end - start)
+            except FileNotFoundError:
+                continue
+            if len(data) != end - start:
+                raise ShardError(url, f"sample {key!r}: cached copy {local} is shorter than the manifest says")
+            return data
+        raise ShardError(url, f"sample {key!r}: cached copy evicted while reading it (cache_limit too small?)")
+
