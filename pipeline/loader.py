@@ -221,11 +221,12 @@ class _ShardStream(IterableDataset):
 
     def _read(self, reader: ShardReader, where: tuple[int, int, int], sized: set[tuple[int, int]]) -> bytes:
         """One sample's bytes (in a reader thread), after checking once per iteration that its shard has
-        the size the manifest says (a shard replaced or cut since packing is named at once)."""
+        the size the manifest says (a shard replaced or cut since packing is named at once; the cache
+        checks cached shards' SHA-256 instead)."""
         number, shard, index = where
         source = self.sources[number]
         name, key = source.names[shard], source.keys[shard][index]
-        if (number, shard) not in sized:
+        if reader.cache is None and (number, shard) not in sized:
             size = reader.size(name, key)
             if size != source.shard_bytes[shard]:
                 raise ShardError(join(source.root, name), f"sample {key!r}: shard is {size} bytes, the manifest says "

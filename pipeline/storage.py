@@ -4,8 +4,8 @@ alike), one layer of retries, and the opt-in local shard cache.
 Retries live in one place. For `s3://`, botocore's and s3fs's own retry loops are turned off
 (they multiply: 5 x 5 tries by default) unless the caller sets them, so `Retry` alone decides how
 often a request is tried: transient failures (HTTP 5xx / SlowDown, connection reset, truncated
-body, timeout) back off exponentially with jitter, and a range read resumes from the byte it
-reached. A failure that is not transient (missing object, bad credentials) fails at once.
+body, timeout) back off exponentially with jitter, and a long range read resumes from the last
+whole piece it reached. A failure that is not transient (missing object, bad credentials) fails at once.
 
 Filesystems are made in the process that uses them (`ShardReader` is built inside each DataLoader
 worker): s3fs is not fork-safe.
@@ -34,7 +34,7 @@ from pipeline.errors import ManifestError, ShardError
 from pipeline.format import MANIFEST_NAME, Manifest
 
 __all__ = [
-    "MAX_MANIFEST_BYTES", "Retry", "ShardCache", "ShardReader", "join", "filesystem", "is_local", "read_manifest",
+    "MAX_MANIFEST_BYTES", "PIECE_BYTES", "Retry", "ShardCache", "ShardReader", "join", "filesystem", "is_local", "read_manifest",
     "read_range", "with_retries", "write_bytes",
 ]
 
@@ -121,38 +121,33 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+PIECE_BYTES = 8 << 20  # a long read is a series of range requests of this size; a retry redoes one piece
+
+
 def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, end: int, key: str | None = None,
                retry: Retry = Retry()) -> bytes:
-    """Bytes [start, end) of a shard (holding sample `key`). Transient failures are retried, resuming
-    from the byte reached; a missing file, a short file or a failure past the retries is a ShardError."""
+    """Bytes [start, end) of a shard (holding sample `key`), read in pieces of `PIECE_BYTES`. A transient
+    failure is retried from the piece it hit (the pieces before it are kept); a missing file, a short
+    file or a failure past the retries is a ShardError."""
     what = f"sample {key!r}: " if key is not None else ""
-    parts: list[bytes] = []
-    reached = start
 
-    def attempt() -> None:
-        nonlocal reached
-        while reached < end:
-            data = fs.cat_file(path, start=reached, end=end)
-            if not data:
-                raise _Truncated(f"no bytes at {reached}")
-            parts.append(data)
-            reached += len(data)
+    def piece(first: int, stop: int) -> bytes:
+        data = fs.cat_file(path, start=first, end=stop)
+        if len(data) != stop - first:
+            raise _Truncated(f"bytes {first}-{stop} gave {len(data)} bytes")
+        return data
 
-    try:
-        with_retries(retry, f"{url} bytes {start}-{end}", attempt)
-    except FileNotFoundError as exc:
-        raise ShardError(url, f"{what}shard is missing") from exc
-    except _Truncated as exc:
-        raise ShardError(url, f"{what}truncated: bytes {start}-{end} gave {reached - start} bytes ({exc})") from exc
-    except Exception as exc:
-        if transient(exc):
-            raise ShardError(url, f"{what}cannot read bytes {start}-{end} after {retry.attempts} tries: "
-                             f"{_describe(exc)}") from exc
-        raise ShardError(url, f"{what}cannot read bytes {start}-{end}: {_describe(exc)}") from exc
-    data = b"".join(parts)
-    if len(data) != end - start:  # a server that sent more than asked
-        raise ShardError(url, f"{what}bytes {start}-{end} gave {len(data)} bytes")
-    return data
+    parts = []
+    for first in range(start, end, PIECE_BYTES):
+        stop = min(first + PIECE_BYTES, end)
+        try:
+            parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", lambda: piece(first, stop)))
+        except FileNotFoundError as exc:
+            raise ShardError(url, f"{what}shard is missing") from exc
+        except Exception as exc:
+            tries = f" after {retry.attempts} tries" if transient(exc) else ""
+            raise ShardError(url, f"{what}cannot read bytes {first}-{stop}{tries}: {_describe(exc)}") from exc
+    return b"".join(parts)
 
 
 def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retry: Retry = Retry()) -> Manifest:
@@ -251,11 +246,11 @@ class ShardCache:
         try:
             stat = os.stat(path)
             os.utime(path)  # most recently used
-        except FileNotFoundError:
+            if (stat.st_ino, stat.st_size) in self._verified:
+                return True
+            digest = _sha256(path)
+        except FileNotFoundError:  # not cached, or removed meanwhile (evicted, or found corrupt by another reader)
             return False
-        if (stat.st_ino, stat.st_size) in self._verified:
-            return True
-        digest = _sha256(path)
         if digest == sha256:
             self._verified.add((stat.st_ino, stat.st_size))
             return True
@@ -297,8 +292,6 @@ class ShardReader:
 
     Build it in the process that reads (a DataLoader worker)."""
 
-    FETCH_CHUNK = 64 << 20  # a cache download resumes from the last whole chunk
-
     def __init__(self, root: str, storage_options: dict[str, Any] | None, retry: Retry,
                  cache: ShardCache | None = None) -> None:
         self.root, self.retry, self.cache = root, retry, cache
@@ -322,8 +315,8 @@ class ShardReader:
             return read_range(self.fs, path, url, start, end, key, self.retry)
 
         def fetch(f: Any) -> None:
-            for offset in range(0, size, self.FETCH_CHUNK):
-                f.write(read_range(self.fs, path, url, offset, min(offset + self.FETCH_CHUNK, size), key, self.retry))
+            for offset in range(0, size, 8 * PIECE_BYTES):
+                f.write(read_range(self.fs, path, url, offset, min(offset + 8 * PIECE_BYTES, size), key, self.retry))
 
         for _ in range(2):  # the cached file may be evicted between finding and opening it
             local = self.cache.get(url, size, sha256, fetch)

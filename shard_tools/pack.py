@@ -2,9 +2,11 @@
 
 Each shard task is a pure function of a fixed, sorted slice of the input, so the output is
 byte-identical whatever the number of processes, and a task run twice writes the same bytes.
-Shards are written under unique `.partial-*` names and renamed; each finished task leaves a
-record in `OUT/_pack/`, so an interrupted run started again with the same arguments only does the
-rest. The manifest is written last (atomically) and lists only finished shards.
+Shards are written under unique `.partial-*` names and renamed (on object storage: uploaded
+whole, so an object is complete when it appears); each finished task leaves a record in
+`OUT/_pack/`, so an interrupted run started again with the same arguments only does the rest.
+The manifest is written last (atomically) and lists only finished shards. OUT is a local folder
+or any fsspec URL (`s3://bucket/prefix`; credentials from the environment, as s3fs reads them).
 
 Tasks run in-process (`workers=1`), in a local process pool, or on a Dask cluster (`dask=`):
 the output is the same bytes in every case.
@@ -14,14 +16,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import contextlib
 import glob
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
-import shutil
+import posixpath
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +35,7 @@ from tqdm import tqdm
 
 from pipeline.errors import SampleError
 from pipeline.format import MANIFEST_NAME, Manifest, ShardInfo, shard_name
+from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import ShardWriter
 
 __all__ = [
@@ -173,8 +178,25 @@ def _plan(refs: Sequence[SampleRef], options: PackOptions) -> list[_Task]:
 
 
 def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
-    """Write one shard; bad samples are skipped and reported. Pure in its inputs: same bytes every time."""
-    writer = ShardWriter(os.path.join(out, task.name))
+    """Write one shard; bad samples are skipped and reported. Pure in its inputs: same bytes every time.
+
+    On object storage the shard is written to a local temporary file, then uploaded in one piece
+    (an object appears only when its upload completes)."""
+    fs, base = filesystem(out)
+    local = is_local(fs)
+    target = join(base, task.name)
+    with contextlib.ExitStack() as stack:
+        if not local:
+            target = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="shard-pack-")), task.name)
+        record = _write_shard(source, task, target)
+        if not local:
+            with_retries(Retry(), join(out, task.name), lambda: fs.put_file(target, join(base, task.name)))
+    write_bytes(fs, join(base, f"{STATE_DIR}/{task.name}.json"), json.dumps(record).encode())
+    return record
+
+
+def _write_shard(source: Source, task: _Task, path: str) -> dict[str, Any]:
+    writer = ShardWriter(path)
     skipped, counts, units = [], {"samples": 0}, []
     try:
         for ref in task.refs:
@@ -194,18 +216,7 @@ def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
         raise
     info = ShardInfo(task.name, writer.size, sha, tuple(writer.keys), tuple(writer.offsets),
                      tuple(units) if any(u != 1 for u in units) else None)
-    record = {"shard": info.to_json(), "skipped": skipped, "counts": counts, "split": task.split}
-    _write_atomic(os.path.join(out, STATE_DIR, task.name + ".json"), json.dumps(record).encode())
-    return record
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    partial = f"{path}.partial-{uuid.uuid4().hex}"
-    with open(partial, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    return {"shard": info.to_json(), "skipped": skipped, "counts": counts, "split": task.split}
 
 
 @dataclasses.dataclass
@@ -288,33 +299,35 @@ def pack(
         "splits": None if options.splits is None else [list(s) for s in options.splits],
     }
     fingerprint = _fingerprint(source.kind, stored_options, refs)
-    state = os.path.join(out, STATE_DIR)
-    manifest_path = os.path.join(out, MANIFEST_NAME)
-    if os.path.exists(manifest_path):
-        with open(manifest_path, "rb") as f:
-            existing = Manifest.from_json(f.read(), manifest_path)
+    fs, base = filesystem(out)
+    state, manifest_path = join(base, STATE_DIR), join(base, MANIFEST_NAME)
+    if _exists(fs, manifest_path):
+        existing = Manifest.from_json(fs.cat_file(manifest_path), join(out, MANIFEST_NAME))
         if existing.fingerprint != fingerprint:
             raise PackError(f"{out} already holds a dataset packed from other inputs or options; use a new folder")
         log.info("%s is already complete (same inputs and options): nothing to do", out)
         return _summary(existing, 0, time.monotonic() - started)
-    os.makedirs(state, exist_ok=True)
-    stamp = os.path.join(state, "fingerprint")
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            if f.read().strip() != fingerprint:
-                raise PackError(f"{out} holds an unfinished pack of other inputs or options; remove it or use a new folder")
-    elif any(name != STATE_DIR for name in os.listdir(out)):
+    if is_local(fs):
+        fs.makedirs(state, exist_ok=True)  # (object storage has no folders; a missing bucket fails below)
+    stamp = join(state, "fingerprint")
+    if _exists(fs, stamp):
+        if fs.cat_file(stamp).decode().strip() != fingerprint:
+            raise PackError(f"{out} holds an unfinished pack of other inputs or options; remove it or use a new folder")
+    elif _exists(fs, base) and any(posixpath.basename(p.rstrip("/")) != STATE_DIR for p in fs.ls(base, detail=False)):
         raise PackError(f"{out} is not empty and holds no pack of these inputs; use a new or empty folder")
     else:
-        _write_atomic(stamp, fingerprint.encode())
+        try:
+            write_bytes(fs, stamp, fingerprint.encode())
+        except (FileNotFoundError, PermissionError) as exc:
+            raise PackError(f"cannot write to {out}: {type(exc).__name__}: {exc} (does the bucket exist? are the "
+                            "credentials allowed to write?)") from exc
 
     tasks = _plan(refs, options)
     records: dict[str, dict[str, Any]] = {}
     for task in tasks:
-        record_path = os.path.join(state, task.name + ".json")
-        if os.path.exists(record_path) and os.path.exists(os.path.join(out, task.name)):
-            with open(record_path) as f:
-                records[task.name] = json.load(f)
+        record_path = join(state, task.name + ".json")
+        if _exists(fs, record_path) and _exists(fs, join(base, task.name)):
+            records[task.name] = json.loads(fs.cat_file(record_path))
     reused = len(records)
     todo = [t for t in tasks if t.name not in records]
     log.info("%d samples in %d shards to write (%d already done); %d inputs skipped while listing",
@@ -341,11 +354,12 @@ def pack(
     splits = {name: tuple(ShardInfo.from_json(records[t.name]["shard"], out) for t in tasks if t.split == name)
               for name in names}
     manifest = Manifest(source.kind, splits, stored_options, fingerprint, tuple(all_skipped))
-    _write_atomic(manifest_path, manifest.to_json())
-    shutil.rmtree(state)
-    for task in tasks:  # debris of writers killed in an earlier run
-        for partial in glob.glob(glob.escape(os.path.join(out, task.name)) + ".partial-*"):
-            os.unlink(partial)
+    write_bytes(fs, manifest_path, manifest.to_json())
+    fs.rm(state, recursive=True)
+    if is_local(fs):
+        for task in tasks:  # debris of writers killed in an earlier run
+            for partial in glob.glob(glob.escape(join(base, task.name)) + ".partial-*"):
+                os.unlink(partial)
     counts: dict[str, int] = {}
     for record in records.values():
         for name, value in record["counts"].items():
@@ -353,6 +367,10 @@ def pack(
     summary = _summary(manifest, reused, time.monotonic() - started)
     summary.counts = counts
     return summary
+
+
+def _exists(fs: Any, path: str) -> bool:
+    return with_retries(Retry(), fs.unstrip_protocol(path), lambda: fs.exists(path))
 
 
 def _summary(manifest: Manifest, reused: int, seconds: float) -> PackSummary:

@@ -1,0 +1,235 @@
+"""Object storage against a real S3-compatible server (SeaweedFS on 127.0.0.1): packing to and
+streaming from s3://, range reads, the shard cache, and every fault mode of the proxy."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import uuid
+
+import pytest
+import s3fs
+import torch
+
+from objectstore import AWS_ENV, FaultProxy, SeaweedFS, storage_options
+from pipeline import make_stream_loader
+from pipeline.errors import ManifestError, ShardError
+from pipeline.format import Manifest
+from pipeline import storage
+from pipeline.storage import Retry, filesystem, read_range
+from shard_tools.pack import PackError, PackOptions, pack
+from shard_tools.sa1b import Sa1bSource
+
+SMALL = dict(image_size=32, mask_size=8, max_masks=2)
+FAST = Retry(attempts=4, initial_delay=0.01, max_delay=0.05)
+os.environ.update({k: v for k, v in AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    weed = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    weed.start()
+    yield weed
+    weed.stop()
+
+
+@pytest.fixture
+def proxy(server: SeaweedFS):
+    p = FaultProxy(server.s3_port)
+    yield p
+    p.close()
+
+
+def _bucket(server: SeaweedFS) -> str:
+    name = f"t{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True).mkdir(name)
+    return name
+
+
+@pytest.fixture(scope="module")
+def remote(server: SeaweedFS, sa1b_dataset: str) -> str:
+    """The packed SA-1B fixture uploaded as is: s3://<bucket>/sa1b."""
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    bucket = _bucket(server)
+    fs.put(sa1b_dataset + "/", f"{bucket}/sa1b/", recursive=True)
+    return f"s3://{bucket}/sa1b"
+
+
+def _epoch(source: str, **kwargs) -> list[dict]:
+    settings = dict(batch_size=2, num_workers=0, seed=5, **SMALL)
+    settings.update(kwargs)
+    loader = make_stream_loader(source, "train", **settings)
+    loader.set_epoch(1)
+    return list(loader)
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert [x["keys"] for x in a] == [y["keys"] for y in b]
+    for x, y in zip(a, b, strict=True):
+        for name in ("images", "masks", "boxes", "mask_counts"):
+            assert torch.equal(x[name], y[name]), name
+
+
+def test_stream_from_s3_equals_local_disk(remote, sa1b_dataset, proxy):
+    local = _epoch(sa1b_dataset)
+    _same(_epoch(remote, storage_options=storage_options(proxy.endpoint)), local)
+    assert all("range" in r.headers for r in proxy.gets() if not r.target.split("?")[0].endswith("manifest.json"))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_workers_open_their_own_filesystems(remote, sa1b_dataset, server, context):
+    local = _epoch(sa1b_dataset, num_workers=2)
+    _same(_epoch(remote, num_workers=2, multiprocessing_context=context,
+                 storage_options=storage_options(server.endpoint)), local)
+
+
+def test_pack_to_s3_is_byte_identical_to_local(sa1b_src, tmp_path, server, monkeypatch):
+    for name, value in {**AWS_ENV, "AWS_ENDPOINT_URL": server.endpoint}.items():
+        monkeypatch.setenv(name, value)  # shard-pack takes credentials from the environment, like s3fs
+    options = PackOptions(shard_samples=3, splits=(("train", 0.7), ("val", 0.3)), workers=2)
+    out = f"s3://{_bucket(server)}/packed"
+    pack(Sa1bSource(), [str(sa1b_src)], out, options, progress=False)
+    pack(Sa1bSource(), [str(sa1b_src)], str(tmp_path / "local"), options, progress=False)
+    fs, base = filesystem(out, storage_options(server.endpoint))
+    remote_files = {p.removeprefix(base + "/"): fs.cat_file(p) for p in fs.find(base)}
+    local_files = {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    assert remote_files == local_files  # no `_pack` state left, manifest and shards equal
+    # Packing again is a no-op, and the streamed samples are those of the local pack.
+    assert pack(Sa1bSource(), [str(sa1b_src)], out, options, progress=False).samples == \
+        Manifest.from_json(local_files["manifest.json"], "m").samples("train") + \
+        Manifest.from_json(local_files["manifest.json"], "m").samples("val")
+    _same(_epoch(out, storage_options=storage_options(server.endpoint)), _epoch(str(tmp_path / "local")))
+
+
+def test_pack_to_a_missing_bucket_is_a_clear_error(sa1b_src, server, monkeypatch):
+    for name, value in {**AWS_ENV, "AWS_ENDPOINT_URL": server.endpoint}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(PackError, match="does the bucket exist"):
+        pack(Sa1bSource(), [str(sa1b_src)], f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", PackOptions(),
+             progress=False)
+
+
+def test_range_reads_fetch_only_the_sample(remote, sa1b_dataset, proxy):
+    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
+    shard = manifest.splits["train"][1]
+    fs, base = filesystem(f"{remote}/{shard.name}", storage_options(proxy.endpoint))
+    start, end = shard.offsets[1], shard.offsets[2]
+    data = read_range(fs, base, shard.name, start, end, shard.keys[1])
+    assert data == pathlib.Path(sa1b_dataset, shard.name).read_bytes()[start:end]
+    assert [r.headers["range"] for r in proxy.gets()] == [f"bytes={start}-{end - 1}"]
+    assert proxy.gets()[0].response_bytes - (end - start) < 1024  # the sample and the response head
+
+
+def test_first_batch_reads_little_more_than_its_samples(remote, sa1b_dataset, proxy):
+    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
+    loader = make_stream_loader(remote, "train", batch_size=2, num_workers=0, read_ahead=0,
+                                storage_options=storage_options(proxy.endpoint), **SMALL)
+    batch = next(iter(loader))
+    sizes = {k: s.offsets[i + 1] - s.offsets[i] for s in manifest.splits["train"] for i, k in enumerate(s.keys)}
+    needed = sum(sizes[k] for k in batch["keys"])
+    fetched = sum(r.response_bytes for r in proxy.gets())
+    manifest_bytes = len(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes())
+    assert fetched < manifest_bytes + needed + 2 * 1024, (fetched, manifest_bytes, needed)
+
+
+def _shard_gets(proxy: FaultProxy) -> list[str]:
+    return [r.target.split("?")[0].rsplit("/", 1)[1] for r in proxy.gets() if r.target.split("?")[0].endswith(".tar")]
+
+
+def test_cache_fetches_each_shard_once_for_two_workers_then_serves_locally(remote, sa1b_dataset, proxy, tmp_path):
+    options = dict(storage_options=storage_options(proxy.endpoint), cache_dir=str(tmp_path / "cache"),
+                   cache_limit=1 << 30, num_workers=2)
+    local = _epoch(sa1b_dataset)
+    _same(_epoch(remote, **options), local)  # cold: two worker processes share the directory
+    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
+    train = {s.name for s in manifest.splits["train"]}
+    assert sorted(_shard_gets(proxy)) == sorted(train)  # each shard downloaded once, whole
+    assert sorted(p.name for p in (tmp_path / "cache").glob("*.tar")) == \
+        sorted(f"{s.sha256}.tar" for s in manifest.splits["train"])
+    assert not list((tmp_path / "cache").glob("*.partial-*"))
+    proxy.clear()
+    _same(_epoch(remote, **options), local)  # warm: no shard request at all
+    assert [r for r in proxy.requests if ".tar" in r.target] == []
+
+
+def test_cache_stays_under_its_limit_evicting_least_recently_used(remote, sa1b_dataset, proxy, tmp_path):
+    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
+    limit = 2 * max(s.bytes for s in manifest.splits["train"])
+    cache = tmp_path / "cache"
+    result = _epoch(remote, storage_options=storage_options(proxy.endpoint), cache_dir=str(cache), cache_limit=limit,
+                    num_workers=2)
+    _same(result, _epoch(sa1b_dataset))
+    assert sum(p.stat().st_size for p in cache.glob("*.tar")) <= limit
+    assert len(_shard_gets(proxy)) >= len(manifest.splits["train"])
+    with pytest.raises(ShardError, match="does not fit in cache_limit"):
+        _epoch(remote, storage_options=storage_options(proxy.endpoint), cache_dir=str(tmp_path / "c2"), cache_limit=100)
+
+
+def test_corrupted_cached_shard_is_fetched_again(remote, sa1b_dataset, proxy, tmp_path):
+    options = dict(storage_options=storage_options(proxy.endpoint), cache_dir=str(tmp_path / "cache"),
+                   cache_limit=1 << 30)
+    local = _epoch(sa1b_dataset)
+    _epoch(remote, **options)
+    victim = sorted((tmp_path / "cache").glob("*.tar"))[0]
+    data = bytearray(victim.read_bytes())
+    data[700] ^= 0xFF  # inside the first sample's first member
+    victim.write_bytes(bytes(data))
+    proxy.clear()
+    _same(_epoch(remote, **options), local)
+    assert len(_shard_gets(proxy)) == 1
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() == victim.stem
+
+
+def _is_shard_read(request) -> bool:
+    return request.method == "GET" and request.target.split("?")[0].endswith(".tar")
+
+
+@pytest.mark.parametrize("mode", ["slowdown", "error500", "reset", "cut"])
+def test_transient_faults_are_retried_without_loss(remote, sa1b_dataset, proxy, mode):
+    proxy.fault(mode, count=3, after_bytes=1000, match=_is_shard_read)
+    result = _epoch(remote, storage_options=storage_options(proxy.endpoint), retry=FAST)
+    _same(result, _epoch(sa1b_dataset))
+    assert proxy.served(mode) == 3
+
+
+def test_a_cut_long_read_resumes_from_the_piece_reached(remote, sa1b_dataset, proxy, monkeypatch):
+    monkeypatch.setattr(storage, "PIECE_BYTES", 4096)
+    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
+    shard = manifest.splits["train"][0]
+    fs, base = filesystem(f"{remote}/{shard.name}", storage_options(proxy.endpoint))
+    nth = iter(range(100))
+    proxy.fault("cut", count=1, after_bytes=1000, match=lambda r: next(nth) == 2)  # the third piece
+    data = read_range(fs, base, shard.name, 0, shard.bytes, retry=FAST)
+    assert data == pathlib.Path(sa1b_dataset, shard.name).read_bytes()
+    ranges = [r.headers["range"] for r in proxy.gets()]
+    pieces = [f"bytes={i}-{min(i + 4096, shard.bytes) - 1}" for i in range(0, shard.bytes, 4096)]
+    assert ranges == pieces[:3] + pieces[2:]  # only the cut piece is asked for twice
+
+
+def test_stall_past_the_read_timeout_is_retried(remote, sa1b_dataset, proxy):
+    proxy.fault("stall", count=1, seconds=4, match=_is_shard_read)
+    options = storage_options(proxy.endpoint, read_timeout=1, connect_timeout=1)
+    _same(_epoch(remote, storage_options=options, retry=FAST), _epoch(sa1b_dataset))
+    assert proxy.served("stall") == 1
+
+
+@pytest.mark.parametrize("mode", ["slowdown", "reset"])
+def test_faults_past_the_bound_fail_naming_url_and_cause(remote, proxy, mode):
+    proxy.fault(mode, count=1000, match=_is_shard_read)
+    with pytest.raises(ShardError, match=rf"{remote}/train-\d+\.tar: sample .*after 4 tries") as info:
+        _epoch(remote, storage_options=storage_options(proxy.endpoint), retry=FAST, read_ahead=0, batch_size=1)
+    if mode == "slowdown":
+        assert "reduce your request rate" in str(info.value)
+        assert proxy.served(mode) == 4  # exactly `attempts` tries: botocore's and s3fs's retries are off
+    else:  # aiohttp repeats an idempotent request once when the connection drops (RFC 9112 section 9.3.1)
+        assert proxy.served(mode) == 2 * 4
+
+
+def test_bad_credentials_and_missing_bucket_are_clear_errors(remote, server):
+    with pytest.raises(ManifestError, match="access denied"):
+        make_stream_loader(remote, "train", batch_size=2, num_workers=0,
+                           storage_options=storage_options(server.endpoint, secret="wrong"), **SMALL)
+    with pytest.raises(ManifestError, match="bucket does not exist"):
+        make_stream_loader("s3://no-such-bucket/sa1b", "train", batch_size=2, num_workers=0,
+                           storage_options=storage_options(server.endpoint), **SMALL)
