@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -133,6 +134,8 @@ class _ShardStream(IterableDataset):
         self.state = torch.zeros(2 + 2 * _MAX_STRETCHES, dtype=torch.int64).share_memory_()
         # Samples skipped per worker: over all epochs (row 0) and in the current iteration (row 1).
         self.skipped = torch.zeros(2, max(1, config.num_workers), dtype=torch.int64).share_memory_()
+        self._reader_pid: int | None = None
+        self._reader_list: list[ShardReader] = []
 
     @property
     def kind(self) -> Kind:
@@ -183,8 +186,7 @@ class _ShardStream(IterableDataset):
         plan = plan_epoch([s.sizes for s in self.sources], cfg.seed, epoch, world, batch_size=cfg.batch_size,
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
-        cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None and cfg.cache_limit else None
-        readers = [ShardReader(s.root, self.storage_options, cfg.retry, cache) for s in self.sources]
+        readers = self._readers()
         first_ids = [s.first_id for s in self.sources]
         work = [(batch, [(source, *self.sources[source].locate(unit_id, first_ids[source]))
                          for source, unit_id in zip(sources.tolist(), ids.tolist())]) for batch, sources, ids in plan]
@@ -216,8 +218,23 @@ class _ShardStream(IterableDataset):
                 if not samples:
                     raise ShardError(self.sources[0].root, f"all {len(units)} samples of batch {batch} failed; ranks cannot stay in step")
                 yield self.kind.collate(samples, self.options)
+            for reader in readers:
+                reader.settle()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _readers(self) -> list[ShardReader]:
+        """This process's readers: made in the process that reads (filesystems are not fork-safe) and
+        kept for its later iterations (a client costs ~0.1-0.3 s to make)."""
+        if self._reader_pid != os.getpid():
+            cfg = self.config
+            cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None and cfg.cache_limit else None
+            self._reader_list = [ShardReader(s.root, self.storage_options, cfg.retry, cache) for s in self.sources]
+            self._reader_pid = os.getpid()
+        return self._reader_list
+
+    def __getstate__(self) -> dict[str, Any]:  # (spawned workers make their own readers)
+        return {**self.__dict__, "_reader_pid": None, "_reader_list": []}
 
     def _read(self, reader: ShardReader, where: tuple[int, int, int], sized: set[tuple[int, int]]) -> bytes:
         """One sample's bytes (in a reader thread), after checking once per iteration that its shard has
@@ -443,6 +460,10 @@ def make_stream_loader(
         for shard in manifest.splits[split]:
             if shard.bytes > limits.max_shard_bytes:
                 raise ManifestError(join(root, shard.name), f"{shard.bytes} bytes, more than max_shard_bytes={limits.max_shard_bytes}")
+    if cache_limit is not None:
+        largest = max(s.bytes for m in manifests for s in m.splits[split])
+        if cache_limit < largest:
+            raise ValueError(f"cache_limit={cache_limit} cannot hold the largest shard of split {split!r} ({largest} bytes)")
     kind = KINDS[manifests[0].kind]
     try:
         kind_options = kind.options(manifests, limits, **options)

@@ -13,14 +13,18 @@ worker): s3fs is not fork-safe.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import functools
+import glob
 import hashlib
 import logging
 import os
 import posixpath
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -107,10 +111,24 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
         config.setdefault("retries", {"total_max_attempts": 1})
         options["config_kwargs"] = config
         options.setdefault("skip_instance_cache", True)  # our instance: its `retries` below is ours to set
+        options.setdefault("session", _botocore_session())
     fs, path = url_to_fs(url, **options)
     if url.startswith(("s3://", "s3a://")) and "retries" not in (storage_options or {}):
         fs.retries = 1  # s3fs's own loop: one try
     return fs, path
+
+
+_SESSION: list[Any] = [None, None]  # (pid, aiobotocore session)
+
+
+def _botocore_session() -> Any:
+    """One botocore session per process: its parsed service models make later clients ~3x faster to
+    create, in forked DataLoader workers too (a session holds no connection; clients are per filesystem)."""
+    if _SESSION[0] != os.getpid():
+        from aiobotocore.session import AioSession
+
+        _SESSION[:] = [os.getpid(), AioSession()]
+    return _SESSION[1]
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -141,7 +159,7 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, e
     for first in range(start, end, PIECE_BYTES):
         stop = min(first + PIECE_BYTES, end)
         try:
-            parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", lambda: piece(first, stop)))
+            parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", functools.partial(piece, first, stop)))
         except FileNotFoundError as exc:
             raise ShardError(url, f"{what}shard is missing") from exc
         except Exception as exc:
@@ -201,30 +219,45 @@ class ShardCache:
     Files are named by their SHA-256 (from the manifest), so a shard rewritten upstream is a new
     entry and nothing stale is ever read. A shard is downloaded by one process at a time (a lock
     per shard), under a temporary name, checked against its SHA-256 and renamed into place: a
-    partial download is never read. Every use refreshes a file's mtime; making room removes the
-    least recently used files. A file that fails its checksum (checked once per process) is
-    fetched again. Safe for several workers and processes of one node sharing the directory."""
+    partial download is never read. A check is recorded beside the file (`.ok`: inode, size,
+    mtime); a file changed since its check is checked again and, if corrupt, fetched again. Every
+    use stamps a file's access time; making room removes the least recently used files. Safe for
+    several workers and processes of one node sharing the directory."""
 
     def __init__(self, directory: str, limit: int) -> None:
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"cache_limit must be a positive number of bytes, got {limit!r}")
         os.makedirs(directory, exist_ok=True)
         self.directory, self.limit = directory, limit
-        self._verified: set[tuple[int, int]] = set()  # (inode, size) checked by this process
 
-    def _path(self, sha256: str) -> str:
-        return os.path.join(self.directory, f"{sha256}.tar")
-
-    def get(self, url: str, size: int, sha256: str, fetch: Callable[[Any], None]) -> str:
-        """The local path of the shard, fetching it (`fetch(file)` writes all its bytes) if needed."""
-        if size > self.limit:
-            raise ShardError(url, f"shard of {size} bytes does not fit in cache_limit={self.limit}")
-        path = self._path(sha256)
-        if self._usable(path, sha256, url):
+    def lookup(self, url: str, sha256: str) -> str | None:
+        """The local path of the shard if it is cached and intact (else None); marks it used."""
+        path = os.path.join(self.directory, f"{sha256}.tar")
+        try:
+            stat = os.stat(path)
+            os.utime(path, ns=(time.time_ns(), stat.st_mtime_ns))  # atime = last use; mtime = last write
+            stamp = f"{stat.st_ino} {stat.st_size} {stat.st_mtime_ns}"
+            with contextlib.suppress(FileNotFoundError), open(path + ".ok") as f:
+                if f.read() == stamp:
+                    return path
+            digest = _sha256(path)
+        except FileNotFoundError:  # not cached, or removed meanwhile (evicted, or found corrupt by another reader)
+            return None
+        if digest == sha256:
+            write_bytes(LocalFileSystem(), path + ".ok", stamp.encode())
             return path
+        log.warning("%s: cached copy %s has SHA-256 %s, not %s; fetching it again", url, path, digest, sha256)
+        self._remove(path)
+        return None
+
+    def fetch(self, url: str, size: int, sha256: str, fetch: Callable[[Any], None]) -> str:
+        """The local path of the shard, downloading it (`fetch(file)` writes all its bytes) if needed."""
+        path = os.path.join(self.directory, f"{sha256}.tar")
         with _locked(path + ".lock"):
-            if self._usable(path, sha256, url):  # another process fetched it meanwhile
-                return path
+            if (found := self.lookup(url, sha256)) is not None:  # another process fetched it meanwhile
+                return found
+            for debris in glob.glob(glob.escape(path) + ".partial-*"):  # of a killed download (we hold the lock)
+                os.unlink(debris)
             partial = f"{path}.partial-{uuid.uuid4().hex}"
             try:
                 with open(partial, "wb") as f:
@@ -232,51 +265,34 @@ class ShardCache:
                 digest = _sha256(partial)
                 if digest != sha256:
                     raise ShardError(url, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
-                self._make_room(size, keep=path)
+                self._make_room(size)
                 os.replace(partial, path)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(partial)
-            stat = os.stat(path)
-            self._verified.add((stat.st_ino, stat.st_size))
         log.debug("cached %s as %s", url, path)
-        return path
+        return self.lookup(url, sha256) or path
 
-    def _usable(self, path: str, sha256: str, url: str) -> bool:
-        try:
-            stat = os.stat(path)
-            os.utime(path)  # most recently used
-            if (stat.st_ino, stat.st_size) in self._verified:
-                return True
-            digest = _sha256(path)
-        except FileNotFoundError:  # not cached, or removed meanwhile (evicted, or found corrupt by another reader)
-            return False
-        if digest == sha256:
-            self._verified.add((stat.st_ino, stat.st_size))
-            return True
-        log.warning("%s: cached copy %s has SHA-256 %s, not %s; fetching it again", url, path, digest, sha256)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return False
+    def _remove(self, path: str) -> None:
+        for name in (path, path + ".ok"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)  # a reader holding it open keeps reading it
 
-    def _make_room(self, size: int, keep: str) -> None:
+    def _make_room(self, size: int) -> None:
         with _locked(os.path.join(self.directory, ".evict.lock")):
             entries = []
             for name in os.listdir(self.directory):
                 if name.endswith(".tar"):
                     with contextlib.suppress(FileNotFoundError):
                         stat = os.stat(os.path.join(self.directory, name))
-                        entries.append((stat.st_mtime_ns, name, stat.st_size))
+                        entries.append((stat.st_atime_ns, name, stat.st_size))
             held = sum(e[2] for e in entries)
             for _, name, bytes_ in sorted(entries):
                 if held + size <= self.limit:
                     break
-                path = os.path.join(self.directory, name)
-                if path != keep:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)  # a reader holding it open keeps reading it
-                    held -= bytes_
-                    log.debug("evicted %s (%d bytes) from the cache", path, bytes_)
+                self._remove(os.path.join(self.directory, name))
+                held -= bytes_
+                log.debug("evicted %s (%d bytes) from the cache", name, bytes_)
 
 
 def _sha256(path: str) -> str:
@@ -290,14 +306,18 @@ def _sha256(path: str) -> str:
 class ShardReader:
     """Reads samples of one dataset's shards by byte range, with retries, from storage or the cache.
 
+    With a cache, a shard not cached yet is downloaded whole in a background thread while its
+    samples keep streaming by byte range: the first batch never waits for whole shards.
     Build it in the process that reads (a DataLoader worker)."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None, retry: Retry,
                  cache: ShardCache | None = None) -> None:
-        self.root, self.retry, self.cache = root, retry, cache
+        self.root, self.retry = root, retry
         self.fs, self.base = filesystem(root, storage_options)
-        if cache is not None and is_local(self.fs):
-            self.cache = None  # local shards are read in place
+        self.cache = None if is_local(self.fs) else cache  # local shards are read in place
+        self._downloads: dict[str, concurrent.futures.Future[str]] = {}
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def size(self, name: str, key: str) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages)."""
@@ -311,23 +331,40 @@ class ShardReader:
 
     def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str) -> bytes:
         url, path = join(self.root, name), join(self.base, name)
-        if self.cache is None:
-            return read_range(self.fs, path, url, start, end, key, self.retry)
-
-        def fetch(f: Any) -> None:
-            for offset in range(0, size, 8 * PIECE_BYTES):
-                f.write(read_range(self.fs, path, url, offset, min(offset + 8 * PIECE_BYTES, size), key, self.retry))
-
-        for _ in range(2):  # the cached file may be evicted between finding and opening it
-            local = self.cache.get(url, size, sha256, fetch)
-            try:
-                with open(local, "rb") as f:
+        if self.cache is not None:
+            local = self.cache.lookup(url, sha256)
+            if local is not None:
+                with contextlib.suppress(FileNotFoundError), open(local, "rb") as f:  # (evicted meanwhile: stream)
                     f.seek(start)
                     data = f.read(end - start)
-            except FileNotFoundError:
-                continue
-            if len(data) != end - start:
-                raise ShardError(url, f"sample {key!r}: cached copy {local} is shorter than the manifest says")
-            return data
-        raise ShardError(url, f"sample {key!r}: cached copy evicted while reading it (cache_limit too small?)")
+                    if len(data) == end - start:
+                        return data
+            self._download(name, url, path, size, sha256)
+        return read_range(self.fs, path, url, start, end, key, self.retry)
 
+    def _download(self, name: str, url: str, path: str, size: int, sha256: str) -> None:
+        assert self.cache is not None
+        cache = self.cache
+        with self._lock:
+            running = self._downloads.get(name)
+            if running is not None and not running.done():
+                return
+            if running is not None and running.exception() is not None:
+                log.warning("%s: caching failed (%s); trying again", url, running.exception())
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardstream-cache")
+
+            def fetch(f: Any) -> None:
+                for offset in range(0, size, 8 * PIECE_BYTES):
+                    f.write(read_range(self.fs, path, url, offset, min(offset + 8 * PIECE_BYTES, size), None, self.retry))
+
+            self._downloads[name] = self._pool.submit(cache.fetch, url, size, sha256, fetch)
+
+    def settle(self) -> None:
+        """Wait for the background downloads (the end of an epoch); a failed one is logged, not raised:
+        its samples were read by byte range."""
+        with self._lock:
+            downloads, self._downloads = list(self._downloads.items()), {}
+        for name, future in downloads:
+            if future.exception() is not None:
+                log.warning("%s: caching failed: %s", join(self.root, name), future.exception())
