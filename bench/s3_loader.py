@@ -26,10 +26,11 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT / "bench"))
 
-from objectstore import AWS_ENV, SeaweedFS, storage_options  # noqa: E402
 from sa1b_loader import SETTINGS, prepare  # noqa: E402
+
+from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options  # noqa: E402
 
 os.environ["AWS_EC2_METADATA_DISABLED"] = AWS_ENV["AWS_EC2_METADATA_DISABLED"]
 

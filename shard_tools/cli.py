@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec"):  # their INFO lines say where credentials came from
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         if args.command == "sa1b":
             options = PackOptions(args.shard_samples, args.shard_bytes, parse_splits(args.split), args.workers,

@@ -9,3 +9,4 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert demo.main(["--work", str(tmp_path), "--images", "12", "--workers", "2"]) == 0
     out = capsys.readouterr().out
     assert "verify: OK" in out and "epoch 2:" in out and "demo done" in out
+    assert "cache warm" in out and "DIFFERENT" not in out  # the object-storage step ran, on SeaweedFS

@@ -11,13 +11,13 @@ import uuid
 import pytest
 import s3fs
 import torch
+from objectstore import FaultProxy
 
-from objectstore import AWS_ENV, FaultProxy, SeaweedFS, storage_options
-from pipeline import make_stream_loader
+from pipeline import make_stream_loader, storage
 from pipeline.errors import ManifestError, ShardError
 from pipeline.format import Manifest
-from pipeline import storage
 from pipeline.storage import Retry, filesystem, read_range
+from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
 
