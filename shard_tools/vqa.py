@@ -343,7 +343,7 @@ class VqaSource:
         assert isinstance(ref, VqaRef), "VqaSource encodes the references its index made"
         (_, part), = ref.parts
         questions = msgpack.unpackb(ref.questions, raw=False)
-        places = [f"{q['source']} record {q['record']}" for q in questions if q["turn"] == 0]
+        places = [_where(q["source"], q["record"], q["fields"]) for q in questions if q["turn"] == 0]
         lost = f"skipped its {len(questions)} question(s) in {ref.split!r} ({_records_text(places)})"
         fs, path = filesystem(part.url)
         try:
