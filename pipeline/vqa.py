@@ -166,7 +166,7 @@ def _trl(sample: dict[str, Any]) -> dict[str, Any]:
     return {
         **sample["fields"][0],
         "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
-        "image": Image.fromarray(pixels, mode="RGB"),
+        "image": Image.fromarray(pixels),  # (h, w, 3) uint8: RGB
         "question": question,
         "answer": sample["answers"][0],
         "key": sample["key"],
