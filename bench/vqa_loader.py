@@ -161,8 +161,8 @@ def main() -> None:
     floor_cpu, loader_cpu = (statistics.median(r["cpu_ms"] for r in runs) for runs in (floors, loaders))
     print(f"CPU time per question: floor {floor_cpu:.2f} ms, loader {loader_cpu:.2f} ms (all its processes); "
           f"floor / loader = {floor_cpu / loader_cpu:.0%}")
-    print(f"loader / floor = {loader / floor:.0%} (target >= 70%); per round: "
-          f"{', '.join(f'{r:.0%}' for r in ratios)}")
+    print(f"loader / floor = {statistics.median(ratios):.0%} (median of rounds, each the loader beside the floor "
+          f"run just before it; target >= 70%); rounds: {', '.join(f'{r:.0%}' for r in ratios)}")
 
 
 if __name__ == "__main__":
