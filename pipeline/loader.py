@@ -123,6 +123,7 @@ class _ShardStream(IterableDataset):
         # Samples skipped per worker: over all epochs (row 0) and in the current iteration (row 1).
         self.skipped = torch.zeros(2, max(1, config.num_workers), dtype=torch.int64).share_memory_()
         self.errors_as_values = True  # False when another DataLoader than ours iterates it (make_stream_dataset)
+        self.flatten = False  # True: yield the samples of each collated batch (a kind's per-sample form)
 
     @property
     def kind(self) -> Kind:
@@ -155,7 +156,8 @@ class _ShardStream(IterableDataset):
         return len(self.rank_batches(self.history))
 
     def __len__(self) -> int:
-        return self.batches()
+        """Items the next iteration yields on this rank: batches, or samples with `flatten` (fewer if some are skipped)."""
+        return sum(map(len, self.rank_batches(self.history))) if self.flatten else self.batches()
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration plays, from the main process (HF Trainer and accelerate
@@ -171,8 +173,10 @@ class _ShardStream(IterableDataset):
         if world.num_workers > self.skipped.shape[1]:
             raise ValueError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
                              f"({self.skipped.shape[1]}); pass max_workers")
+        self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
         try:
-            yield from self._batches(world, self.epoch, self.history)
+            for batch in self._batches(world, self.epoch, self.history):
+                yield from batch if self.flatten else (batch,)
         except ShardstreamError as exc:
             if info is None or not self.errors_as_values:
                 raise
@@ -446,14 +450,15 @@ def make_stream_loader(
     return StreamLoader(stream, loader, resolved, manifests, split)
 
 
-def make_stream_dataset(source: str | Sequence[str], split: str, *, batch_size: int = 1, max_workers: int = 16,
-                        **kwargs: Any) -> IterableDataset:
+def make_stream_dataset(source: str | Sequence[str], split: str, *, batch_size: int, max_workers: int = 16,
+                        flatten: bool = False, **kwargs: Any) -> IterableDataset:
     """The loader's dataset itself, for trainers that wrap a dataset in their own DataLoader (HF
     Trainer, TRL): a torch IterableDataset yielding the kind's collated batches of `batch_size`
-    (samples, for a kind with a per-sample form), split exactly over the ranks and over the workers
-    (at most `max_workers`) of the DataLoader that iterates it. It has `set_epoch(epoch)` and
-    `len()`; errors raise in the worker (the DataLoader re-raises them as RuntimeError with the
-    message). Other arguments as `make_stream_loader`'s, but for the DataLoader's own.
+    (with `flatten`, the samples of each, for a kind whose collate gives a list), split exactly over
+    the ranks and over the workers (at most `max_workers`) of the DataLoader that iterates it. It
+    has `set_epoch(epoch)` and `len()`; errors raise in the worker (the DataLoader re-raises them as
+    RuntimeError with the message). Other arguments as `make_stream_loader`'s, but for the
+    DataLoader's own.
     """
     if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
         raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
@@ -463,7 +468,7 @@ def make_stream_dataset(source: str | Sequence[str], split: str, *, batch_size: 
         raise ValueError(f"make_stream_dataset does not take {theirs}: the DataLoader that iterates it decides those")
     stream = make_stream_loader(source, split, batch_size=batch_size, num_workers=0, **kwargs)._stream
     stream.skipped = torch.zeros(2, max_workers, dtype=torch.int64).share_memory_()
-    stream.errors_as_values = False
+    stream.errors_as_values, stream.flatten = False, flatten
     return stream
 
 

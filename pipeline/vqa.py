@@ -176,11 +176,9 @@ def _trl(sample: dict[str, Any]) -> dict[str, Any]:
 
 def collate(samples: Sequence[dict[str, Any]], options: VqaOptions) -> dict[str, Any]:
     """A batch in transit (see `finish`): images zero-padded in shared memory, the integer columns
-    stacked into one tensor, strings and records as lists. In the TRL form, the one sample's dict."""
+    stacked into one tensor, strings and records as lists. In the TRL form, a list of the samples' dicts."""
     if options.form == "trl":
-        if len(samples) != 1:
-            raise ValueError(f"the TRL form yields one sample at a time, got a batch of {len(samples)}")
-        return _trl(samples[0])
+        return [_trl(x) for x in samples]  # type: ignore[return-value]
     b = len(samples)
     if options.image_size is not None:
         height = width = options.image_size
@@ -274,7 +272,7 @@ def trl_dataset(
     seed: int = 0,
     image_size: int | None = 448,
     shuffle: bool = True,
-    drop_last: bool = True,
+    drop_last: bool = False,
     rank: int | None = 0,
     world_size: int | None = 1,
     on_error: str = "raise",
@@ -283,6 +281,7 @@ def trl_dataset(
     storage_options: dict[str, Any] | None = None,
     limits: ReadLimits | None = None,
     max_workers: int = 16,
+    chunk: int = 16,
 ) -> IterableDataset:
     """A torch IterableDataset of per-question dicts in the conversational form of TRL's GRPOTrainer:
     `{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
@@ -293,11 +292,15 @@ def trl_dataset(
     (HF Trainer calls it) and `len()`. Ranks: by default every process yields the whole split in
     the same order, as HF Trainer/accelerate expect of an iterable dataset (they hand each process
     its slice of every global batch). A loop that does not shard passes `rank`/`world_size` (or
-    None for torch.distributed's) to read only this rank's exact share.
+    None for torch.distributed's) to read only this rank's exact share, with `drop_last=True` for
+    equal counts on every rank.
+
+    The plan deals out `chunk` questions at a time (a worker reads a chunk, the next worker the
+    next); with `on_error="skip"` a bad sample is left out of its chunk.
     """
     from pipeline.loader import make_stream_dataset  # the loader imports the kinds, this module among them
 
-    stream = make_stream_dataset(source, split, batch_size=1, shuffle=shuffle, seed=seed, drop_last=drop_last,
+    stream = make_stream_dataset(source, split, batch_size=chunk, flatten=True, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                  on_error=on_error, max_errors=max_errors, shuffle_window=shuffle_window, rank=rank,
                                  world_size=world_size, storage_options=storage_options, limits=limits,
                                  max_workers=max_workers, per="question", image_size=image_size)

@@ -514,17 +514,17 @@ def test_trl_dataset_through_a_real_dataloader(collections_, packed):
                 assert (x["question"], x["answer"]) in asked
                 assert x["img_name"] == x["image_path"] and x["q_lang"] == "en", "original fields beside"
                 seen.append((x["key"], x["question"], x["qid"]))
-        assert len(seen) == len(set(seen)) == len(everything) - (len(everything) % world_size), world_size
+        assert len(seen) == len(set(seen)) == len(everything), world_size
     # Every process yields the same stream by default (accelerate then hands out the slices), in an
-    # order set by (seed, epoch) alone, for any number of workers.
+    # order set by (seed, epoch) and the number of workers.
     def order(epoch, workers):
         ds = trl_dataset(root, "train", image_size=16, seed=3)
         ds.set_epoch(epoch)
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
         return [(x["key"], x["qid"]) for x in loader]
 
-    first = order(0, 0)
-    assert first == order(0, 2) and order(1, 2) == order(1, 0) != first and sorted(order(1, 0)) == sorted(first)
+    first = order(0, 2)
+    assert first == order(0, 2) != order(1, 2) and sorted(order(1, 2)) == sorted(first) == sorted(order(0, 0))
 
 
 def test_trl_dataset_refuses_other_kinds(sa1b_dataset):
@@ -561,3 +561,22 @@ def test_stock_webdataset_reads_the_shards(packed):
             ext = {"JPEG": "jpg", "PNG": "png"}[record["image"]["format"]]
             assert {k for k in sample if not k.startswith("__")} == {ext, "msgpack"}
             assert Image.open(io.BytesIO(sample[ext])).size == (record["image"]["width"], record["image"]["height"])
+
+
+def test_trl_dataset_skips_within_each_epochs_budget(packed, tmp_path):
+    root = tmp_path / "broken"
+    shutil.copytree(packed["llava"], root)
+    shard = _manifest(root).splits["train"][0]
+    data = bytearray((root / shard.name).read_bytes())
+    start = shard.offsets[0]
+    size = int(data[start + 124 : start + 136].rstrip(b"\0"), 8)
+    data[start + 512 + size + (-size % 512) + 512] = 0xC1  # the first sample's record
+    (root / shard.name).write_bytes(bytes(data))
+    lost = (shard.units or [1])[0]
+    ds = trl_dataset(str(root), "train", on_error="skip", max_errors=lost, image_size=16)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=lambda x: x)
+        keys = [x["key"] for batch in loader for x in batch]
+        assert len(keys) == len(_units(root)) - lost and shard.keys[0] not in keys
+    assert int(ds.skipped[0].sum()) == 3 * lost
