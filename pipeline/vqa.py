@@ -174,11 +174,11 @@ def _trl(sample: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def collate(samples: Sequence[dict[str, Any]], options: VqaOptions) -> dict[str, Any]:
+def collate(samples: Sequence[dict[str, Any]], options: VqaOptions) -> dict[str, Any] | list[dict[str, Any]]:
     """A batch in transit (see `finish`): images zero-padded in shared memory, the integer columns
     stacked into one tensor, strings and records as lists. In the TRL form, a list of the samples' dicts."""
     if options.form == "trl":
-        return [_trl(x) for x in samples]  # type: ignore[return-value]
+        return [_trl(x) for x in samples]
     b = len(samples)
     if options.image_size is not None:
         height = width = options.image_size

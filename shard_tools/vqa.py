@@ -151,8 +151,8 @@ def _records_text(places: Sequence[str]) -> str:
     return ", ".join(places[:_SHOWN]) + more
 
 
-def _load(file: str) -> tuple[list[Any], bytes]:
-    """The file's records (a JSON list, or JSON Lines for .jsonl) and its bytes; PackError if unreadable."""
+def _load(file: str) -> list[Any]:
+    """The file's records (a JSON list, or JSON Lines for .jsonl); PackError if it cannot be read as such."""
     fs, path = filesystem(file)
     try:
         data = fs.cat_file(path)
@@ -166,14 +166,14 @@ def _load(file: str) -> tuple[list[Any], bytes]:
                     records.append(json.loads(line))
                 except (ValueError, RecursionError) as exc:
                     records.append(_Bad(f"line {n + 1} is not valid JSON: {exc}"))
-        return records, data
+        return records
     try:
         records = json.loads(data)
     except (ValueError, RecursionError) as exc:
         raise PackError(f"{file}: not valid JSON: {exc}"[:300]) from exc
     if not isinstance(records, list):
         raise PackError(f"{file}: holds a JSON {type(records).__name__}, want a list of records (or JSON Lines in .jsonl)")
-    return records, data
+    return records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +271,7 @@ class VqaSource:
         forced = "mapped" if self.image_key is not None else self.layout
         order = {name: i for i, name in enumerate(dict.fromkeys(name for name, _ in self.splits))}
         for split, file in self.splits:
-            records, _ = _load(file)
+            records = _load(file)
             if not records:
                 raise PackError(f"{file}: no records")
             layout = forced or detect_layout(records, file)

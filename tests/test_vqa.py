@@ -580,3 +580,15 @@ def test_trl_dataset_skips_within_each_epochs_budget(packed, tmp_path):
         keys = [x["key"] for batch in loader for x in batch]
         assert len(keys) == len(_units(root)) - lost and shard.keys[0] not in keys
     assert int(ds.skipped[0].sum()) == 3 * lost
+
+
+def test_json_lines_with_a_bad_line(collections_, tmp_path):
+    images, files = collections_["llava"]
+    records = json.loads(files["train"].read_text())
+    lines = [json.dumps(r) for r in records]
+    lines.insert(2, '{"id": "broken", "image": ')
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n\n")
+    summary = pack_vqa(_source(images, {"train": tmp_path / "train.jsonl"}), str(tmp_path / "out"), progress=False)
+    skipped, = _manifest(tmp_path / "out").skipped
+    assert skipped["reason"].startswith(f"{tmp_path / 'train.jsonl'} record 2: line 3 is not valid JSON")
+    assert summary.samples == len(records) and summary.counts["questions"] == len(_units(tmp_path / "out"))
