@@ -11,7 +11,8 @@ reader can fetch any sample by byte range. A kind whose samples hold several uni
 yields one by one (rows of an embeddings block, questions of a VQA image) lists each sample's
 unit count in `units`; without it every sample is one unit.
 
-Schema history: 1, SA-1B only; 2 adds `units` (a version 1 manifest reads as version 2).
+Schema history: 1, SA-1B only; 2 adds `units` (a version 1 manifest reads as version 2) and the
+`vqa` kind.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ __all__ = [
     "SA1B_JPG",
     "SA1B_ANN",
     "SA1B_RECORD_FIELDS",
+    "VQA_IMAGE_EXTS",
+    "VQA_RECORD",
+    "VQA_RECORD_FIELDS",
+    "VQA_IMAGE_FIELDS",
+    "VQA_QUESTION_FIELDS",
     "ShardInfo",
     "Manifest",
     "shard_name",
@@ -53,7 +59,12 @@ MANIFEST_NAME = "manifest.json"
 # Member extensions of one sample, per kind, in the order they are written.
 SA1B_JPG = "jpg"
 SA1B_ANN = "msgpack"
+# VQA: one image member, `jpg` or `png` as the original file is (never re-encoded but with
+# --image-max-side), then the record.
+VQA_IMAGE_EXTS = {"JPEG": "jpg", "PNG": "png"}  # Pillow format -> member extension
+VQA_RECORD = "msgpack"
 KIND_MEMBERS: dict[str, tuple[str, ...]] = {"sa1b": (SA1B_JPG, SA1B_ANN)}
+KIND_MEMBERS["vqa"] = (*VQA_IMAGE_EXTS.values(), VQA_RECORD)  # exactly one of the image extensions
 
 # The SA-1B annotation record (msgpack map). Geometry is in the original image frame
 # (`image.width` x `image.height`), whatever size the stored JPEG has (`stored_size`).
@@ -69,6 +80,24 @@ SA1B_RECORD_FIELDS = (
     "point_coords",  # float64 (P, 2): all masks' points, concatenated
     "point_counts",  # uint32 (N,): points per mask
     "crop_box",  # float64 (N, 4) XYWH
+)
+
+# The VQA record (msgpack map): one image of one split and all the questions of that split about it.
+VQA_RECORD_FIELDS = (
+    "image",  # {"path", "width", "height", "format", "mode", "sha256"}: the input file (path relative to --images)
+    "stored_size",  # [height, width] of the stored image (smaller than the original with --image-max-side)
+    "split",  # the split it was packed into
+    "questions",  # list, one map per question (VQA_QUESTION_FIELDS), in input order
+)
+VQA_IMAGE_FIELDS = ("path", "width", "height", "format", "mode", "sha256")
+VQA_QUESTION_FIELDS = (
+    "question",  # str, as asked (LLaVA: the human turn without its <image> token)
+    "answer",  # str (JSON numbers and booleans as JSON text)
+    "source",  # the annotation file, as given to the packer
+    "record",  # index of the record in that file
+    "turn",  # index of the question among the record's (LLaVA conversations: one per human/gpt pair; else 0)
+    "layout",  # "vqa-rad", "slake", "llava" or "mapped"
+    "fields",  # the original JSON record, every field as it was
 )
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_\-]{1,80}")

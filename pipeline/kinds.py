@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import sa1b
+from pipeline import sa1b, vqa
 from pipeline.format import Manifest, ShardInfo
 
 __all__ = ["Kind", "KINDS"]
@@ -45,6 +45,17 @@ def _sa1b_verify(manifest: Manifest) -> sa1b.Sa1bOptions:
     return sa1b.Sa1bOptions(image_size=256, mask_size=64, max_masks=1 << 30)
 
 
+def _vqa_options(manifests: Sequence[Manifest], limits: Any, *, per: str = "question",
+                 image_size: int | None = 448) -> vqa.VqaOptions:
+    return vqa.VqaOptions(per=per, image_size=image_size, max_image_pixels=limits.max_image_pixels)
+
+
+def _vqa_verify(manifest: Manifest) -> vqa.VqaOptions:
+    return vqa.VqaOptions(per="image", image_size=256)  # every image decoded once, every question checked
+
+
 KINDS: dict[str, Kind] = {
     "sa1b": Kind(_sa1b_options, sa1b.decode_sample, sa1b.collate, sa1b.finish, sa1b.check_batch, _sa1b_verify),
+    "vqa": Kind(_vqa_options, vqa.decode_sample, vqa.collate, vqa.finish, vqa.check_batch, _vqa_verify, vqa.units,
+                vqa.open_sample),
 }

@@ -26,7 +26,7 @@ from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_po
 from pipeline.storage import Retry, ShardCache, ShardReader, join, read_manifest
 from pipeline.tario import ReadLimits, parse_sample
 
-__all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "validate_first_batch"]
+__all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "make_stream_dataset", "validate_first_batch"]
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 2
@@ -134,6 +134,8 @@ class _ShardStream(IterableDataset):
         self.state = torch.zeros(2 + 2 * _MAX_STRETCHES, dtype=torch.int64).share_memory_()
         # Samples skipped per worker: over all epochs (row 0) and in the current iteration (row 1).
         self.skipped = torch.zeros(2, max(1, config.num_workers), dtype=torch.int64).share_memory_()
+        self.errors_as_values = True  # False when another DataLoader than ours iterates it (make_stream_dataset)
+        self.flatten = False  # True: yield the samples of each collated batch (a kind's per-sample form)
         self._reader_pid: int | None = None
         self._reader_list: list[ShardReader] = []
 
@@ -167,13 +169,30 @@ class _ShardStream(IterableDataset):
         """How many batches this rank yields in the next iteration (all of the epoch, or the rest)."""
         return len(self.rank_batches(self.history))
 
+    def __len__(self) -> int:
+        """Items the next iteration yields on this rank: batches, or samples with `flatten` (fewer if some are skipped)."""
+        return sum(map(len, self.rank_batches(self.history))) if self.flatten else self.batches()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration plays, from the main process (HF Trainer and accelerate
+        call this on datasets that have it)."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        if epoch != self.epoch:
+            self.set_state(epoch, ())
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         world = World(self.rank, self.world_size, info.id if info else 0, info.num_workers if info else 1)
+        if world.num_workers > self.skipped.shape[1]:
+            raise ValueError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
+                             f"({self.skipped.shape[1]}); pass max_workers")
+        self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
         try:
-            yield from self._batches(world, self.epoch, self.history)
+            for batch in self._batches(world, self.epoch, self.history):
+                yield from batch if self.flatten else (batch,)
         except ShardstreamError as exc:
-            if info is None:
+            if info is None or not self.errors_as_values:
                 raise
             exc.add_note(f"in DataLoader worker {info.id}:\n{traceback.format_exc()}")
             yield _WorkerError(exc)
@@ -433,7 +452,8 @@ def make_stream_loader(
     `max_errors` (a count, or a fraction of the rank's samples) bounds the skips per epoch.
 
     `**options` are the kind's (the manifest says which kind): for SA-1B `image_size=1024`,
-    `mask_size=256`, `max_masks=64` (an int, or a function of the epoch). Kinds whose samples
+    `mask_size=256`, `max_masks=64` (an int, or a function of the epoch); for VQA
+    `per="question"` (or "image") and `image_size=448` (or None: as stored). Kinds whose samples
     hold several units (rows of a block, questions of an image) yield units; each worker keeps up
     to `unit_cache_bytes` of such samples open for their next units.
 
@@ -490,6 +510,28 @@ def make_stream_loader(
         multiprocessing_context=multiprocessing_context if num_workers else None,
     )
     return StreamLoader(stream, loader, resolved, manifests, split)
+
+
+def make_stream_dataset(source: str | Sequence[str], split: str, *, batch_size: int, max_workers: int = 16,
+                        flatten: bool = False, **kwargs: Any) -> IterableDataset:
+    """The loader's dataset itself, for trainers that wrap a dataset in their own DataLoader (HF
+    Trainer, TRL): a torch IterableDataset yielding the kind's collated batches of `batch_size`
+    (with `flatten`, the samples of each, for a kind whose collate gives a list), split exactly over
+    the ranks and over the workers (at most `max_workers`) of the DataLoader that iterates it. It
+    has `set_epoch(epoch)` and `len()`; errors raise in the worker (the DataLoader re-raises them as
+    RuntimeError with the message). Other arguments as `make_stream_loader`'s, but for the
+    DataLoader's own.
+    """
+    if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
+        raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
+    theirs = sorted(set(kwargs) & {"num_workers", "device", "pin_memory", "prefetch_factor", "persistent_workers",
+                                   "multiprocessing_context"})
+    if theirs:
+        raise ValueError(f"make_stream_dataset does not take {theirs}: the DataLoader that iterates it decides those")
+    stream = make_stream_loader(source, split, batch_size=batch_size, num_workers=0, **kwargs)._stream
+    stream.skipped = torch.zeros(2, max_workers, dtype=torch.int64).share_memory_()
+    stream.errors_as_values, stream.flatten = False, flatten
+    return stream
 
 
 def validate_first_batch(loader: StreamLoader) -> dict[str, Any]:

@@ -10,29 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack.exceptions
 import numpy as np
 import torch
-import torch.nn.functional as F
-from PIL import Image
 
 from pipeline.collate import empty, pack_bits, unpack_bits
 from pipeline.errors import SampleError
 from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_RECORD_FIELDS, decode_array, unpack_record
+from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import RLEError, fit, raster
-from pipeline.tario import ReadLimits
 
 __all__ = [
     "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "check_batch", "BATCH_FIELDS",
     "MAX_IMAGE_PIXELS",
 ]
 
-MAX_IMAGE_PIXELS = ReadLimits.max_image_pixels  # larger JPEGs are refused (decompression bombs)
 _MASKS = 3  # SeedSequence purpose, beside the plan's
 
 BATCH_FIELDS = {
@@ -97,27 +92,6 @@ def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.
     key_entropy = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "little")
     rng = np.random.default_rng([seed, epoch, _MASKS, key_entropy])
     return np.sort(rng.choice(count, limit, replace=False))
-
-
-def decode_image(data: bytes, frame: tuple[int, int], url: str, key: str,
-                 max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
-    """The JPEG as (3, h, w) uint8 at `frame`: decoded at the smallest libjpeg scale that covers the
-    frame, then resized with antialiased bilinear filtering (torch's uint8 kernel; ~6x PIL's)."""
-    height, width = frame
-    try:
-        with warnings.catch_warnings():  # Pillow warns of large images; the cap below refuses them
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=["JPEG"])
-        with image:
-            if image.width * image.height > max_pixels:
-                raise SampleError(url, key, SA1B_JPG, f"{image.width}x{image.height} pixels exceed the cap {max_pixels}")
-            image.draft("RGB", (width, height))
-            pixels = torch.from_numpy(np.array(image if image.mode == "RGB" else image.convert("RGB"))).permute(2, 0, 1)
-    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
-        raise SampleError(url, key, SA1B_JPG, f"cannot decode JPEG: {exc}") from exc
-    if pixels.shape[1:] == (height, width):
-        return pixels
-    return F.interpolate(pixels[None], size=(height, width), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int = 0, seed: int, epoch: int, url: str,

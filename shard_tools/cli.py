@@ -1,4 +1,4 @@
-"""`shard-pack`: pack datasets into shards (`sa1b`), and read them back (`inspect`, `verify`).
+"""`shard-pack`: pack datasets into shards (`sa1b`, `vqa`), and read them back (`inspect`, `verify`).
 
 Exit codes: 0 done; 1 the data has problems (too many skipped inputs, `verify` findings);
 2 the command cannot run as asked (bad arguments, output folder holding something else).
@@ -18,6 +18,7 @@ from pipeline.storage import read_manifest
 from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.verify import describe, verify
+from shard_tools.vqa import LAYOUTS, VqaSource, pack_vqa
 
 __all__ = ["main"]
 
@@ -30,6 +31,13 @@ def _size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 500MB, 1GiB or a number of bytes")
     return int(float(match[1]) * _UNITS[match[2] or ""])
+
+
+def _split_file(text: str) -> tuple[str, str]:
+    name, _, file = text.partition("=")
+    if not name.strip() or not file.strip():
+        raise argparse.ArgumentTypeError(f"invalid split {text!r}: want NAME=FILE, e.g. train=train.json")
+    return name.strip(), file.strip()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +58,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster: tcp://scheduler:8786, "
                    "or local:N for a local cluster of N workers (needs the dask extra)")
 
+    p = sub.add_parser("vqa", help="pack a VQA collection: question/answer files per split + an image folder")
+    p.add_argument("out", metavar="OUT", help="output folder (new or empty, or an interrupted pack of the same input)")
+    p.add_argument("--images", required=True, metavar="ROOT", help="folder (or URL) the records' image paths are in")
+    p.add_argument("--split", dest="splits", action="append", required=True, type=_split_file, metavar="NAME=FILE",
+                   help="a split and its annotation file (JSON list, or .jsonl); repeat for each split or file. An "
+                   "image referenced from several splits belongs to the first given")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), help="the files' layout (default: detected per file)")
+    p.add_argument("--image-key", help="for another layout: the record field holding the image path")
+    p.add_argument("--question-key", help="... the question")
+    p.add_argument("--answer-key", help="... the answer")
+    p.add_argument("--shared-images", choices=["skip", "keep"], default="skip", help="an image in several splits: "
+                   "skip its questions in the later splits as leakage (default), or keep it in each")
+    p.add_argument("--image-max-side", type=int, help="re-encode larger images to this long side (JPEG stays JPEG, "
+                   "PNG stays lossless)")
+    p.add_argument("--jpeg-quality", type=int, default=90, help="quality of re-encoded JPEGs (90)")
+    p.add_argument("--shard-samples", type=int, default=1000, help="at most this many images per shard (1000)")
+    p.add_argument("--shard-bytes", type=_size, default="1GiB", help="at most this much input per shard (1GiB)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
+    p.add_argument("--max-skipped", type=int, default=10, help="fail when more records or images are bad (10)")
+    p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
+
     for name, text in (("inspect", "print a dataset's manifest summary"),
                        ("verify", "check every shard's checksum and decode every sample")):
         sub.add_parser(name, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
@@ -67,6 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   args.max_skipped, args.dask)
             source = Sa1bSource(args.image_max_side, args.jpeg_quality)
             summary = pack(source, args.sources, args.out, options, progress=not args.quiet)
+            for skip in summary.skip_list[:20]:
+                log.warning("skipped %s", skip["reason"])
+            print("\n".join(summary.lines()))
+        elif args.command == "vqa":
+            options = PackOptions(args.shard_samples, args.shard_bytes, None, args.workers, args.max_skipped, args.dask)
+            source = VqaSource(args.images, tuple(args.splits), args.layout, args.image_key, args.question_key,
+                               args.answer_key, args.shared_images, args.image_max_side, args.jpeg_quality)
+            summary = pack_vqa(source, args.out, options, progress=not args.quiet)
             for skip in summary.skip_list[:20]:
                 log.warning("skipped %s", skip["reason"])
             print("\n".join(summary.lines()))

@@ -1,0 +1,310 @@
+"""VQA on the reading side: one image per tar sample with all its questions of the split.
+
+`per="question"` (the default) yields one sample per question: the plan orders questions, and a
+worker opens each image's sample once for its questions (see `Kind.units`). `per="image"` yields
+one sample per image with its lists of questions and answers. Images are resized to long side
+`image_size` (or kept as stored with `image_size=None`) and always RGB: grayscale is replicated,
+palettes expanded, alpha dropped, 16-bit samples scaled to 8 bits.
+
+Batches (`make_stream_loader`): `images` uint8 (B, 3, H, W), zero-padded to (image_size,
+image_size) or, with `image_size=None`, to the batch's largest height and width; `image_sizes` and
+`original_sizes` int64 (B, 2) as (h, w); strings and original records as lists (see `BATCH_FIELDS`).
+`trl_dataset` gives per-question dicts in the conversational form TRL's GRPOTrainer consumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack.exceptions
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import IterableDataset
+
+from pipeline.collate import empty
+from pipeline.errors import SampleError
+from pipeline.format import (
+    VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, ShardInfo, unpack_record,
+)
+from pipeline.images import MAX_IMAGE_PIXELS, decode_image
+from pipeline.rle import fit
+from pipeline.tario import ReadLimits
+
+__all__ = [
+    "VqaOptions", "VqaSample", "BATCH_FIELDS", "TRL_RESERVED", "units", "open_sample", "decode_sample", "collate",
+    "finish", "check_batch", "trl_dataset",
+]
+
+PER = ("question", "image")
+FORMS = ("batch", "trl")
+# Tensor fields of a batch; the others are lists of B: keys, paths, questions, answers, fields.
+BATCH_FIELDS = {"images": torch.uint8, "image_sizes": torch.int64, "original_sizes": torch.int64}
+_COUNT = {"question": "question_index", "image": "question_counts"}  # the per-sample integer column, per `per`
+LIST_FIELDS = ("keys", "paths", "questions", "answers", "fields")
+# Names the TRL form sets itself: an original field of the same name is replaced.
+TRL_RESERVED = ("prompt", "image", "question", "answer", "key", "image_path")
+_FORMATS = {ext: fmt for fmt, ext in VQA_IMAGE_EXTS.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class VqaOptions:
+    """How VQA samples are read: one per question or per image, images at long side `image_size`
+    (None: as stored), and whether samples are collated into batches or given in TRL's form."""
+
+    per: str = "question"
+    image_size: int | None = 448
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # larger images are refused, never decoded
+    form: str = "batch"  # "trl": one dict per sample (set by `trl_dataset`)
+
+    def __post_init__(self) -> None:
+        if self.per not in PER:
+            raise ValueError(f"per must be one of {PER}, got {self.per!r}")
+        if self.image_size is not None and (not isinstance(self.image_size, int) or isinstance(self.image_size, bool)
+                                            or self.image_size < 1):
+            raise ValueError(f"image_size must be a positive int or None (as stored), got {self.image_size!r}")
+        if not isinstance(self.max_image_pixels, int) or self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be a positive int, got {self.max_image_pixels!r}")
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
+        if self.form == "trl" and self.per != "question":
+            raise ValueError("the TRL form is one prompt per question: per must be 'question'")
+
+
+@dataclasses.dataclass(frozen=True)
+class VqaSample:
+    """An opened tar sample: the image bytes and the checked record."""
+
+    data: bytes
+    ext: str
+    image: dict[str, Any]  # VQA_IMAGE_FIELDS
+    stored_size: tuple[int, int]
+    questions: list[dict[str, Any]]  # VQA_QUESTION_FIELDS each
+
+
+def units(shard: ShardInfo, options: VqaOptions) -> np.ndarray | None:
+    """Questions per sample with per="question" (None in the manifest: one each); one unit per image otherwise."""
+    if options.per == "image" or shard.units is None:
+        return None
+    return np.asarray(shard.units, dtype=np.int64)
+
+
+def _check(ok: bool, url: str, key: str, field: str, message: str) -> None:
+    if not ok:
+        raise SampleError(url, key, field, message)
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key: str) -> VqaSample:
+    """Unpack and check a sample's record (every field, strictly); the image is not decoded here."""
+    images = [ext for ext in members if ext in _FORMATS]
+    if len(images) != 1 or set(members) != {images[0], VQA_RECORD}:
+        raise SampleError(url, key, None, f"members {sorted(members)}, expected one of "
+                          f"{sorted(_FORMATS)} and {VQA_RECORD!r}")
+    ext = images[0]
+    try:
+        record = unpack_record(members[VQA_RECORD])
+    except (ValueError, msgpack.exceptions.UnpackException) as exc:
+        raise SampleError(url, key, VQA_RECORD, f"cannot unpack: {exc}") from exc
+    _check(set(record) == set(VQA_RECORD_FIELDS), url, key, VQA_RECORD,
+           f"fields {sorted(record)}, expected {sorted(VQA_RECORD_FIELDS)}")
+    image, stored, questions = record["image"], record["stored_size"], record["questions"]
+    _check(isinstance(image, dict) and set(image) == set(VQA_IMAGE_FIELDS), url, key, "image",
+           f"expected a map of {sorted(VQA_IMAGE_FIELDS)}")
+    _check(all(isinstance(image[f], str) for f in ("path", "format", "mode", "sha256"))
+           and _is_int(image["width"], 1) and _is_int(image["height"], 1), url, key, "image", "invalid image info")
+    _check(_FORMATS[ext] == image["format"], url, key, "image", f"format {image['format']!r} in a .{ext} member")
+    _check(isinstance(stored, list) and len(stored) == 2 and all(_is_int(n, 1) for n in stored)
+           and stored[0] * stored[1] <= options.max_image_pixels, url, key, "stored_size",
+           f"invalid stored size {stored!r}"[:200])
+    _check(isinstance(record["split"], str), url, key, "split", "not a string")
+    _check(isinstance(questions, list) and len(questions) >= 1, url, key, "questions", "expected a non-empty list")
+    for i, q in enumerate(questions):
+        field = f"questions[{i}]"
+        _check(isinstance(q, dict) and set(q) == set(VQA_QUESTION_FIELDS), url, key, field,
+               f"expected a map of {sorted(VQA_QUESTION_FIELDS)}")
+        _check(all(isinstance(q[f], str) for f in ("question", "answer", "source", "layout"))
+               and _is_int(q["record"]) and _is_int(q["turn"]) and isinstance(q["fields"], dict),
+               url, key, field, "invalid question entry")
+    return VqaSample(members[ext], ext, image, (stored[0], stored[1]), questions)
+
+
+def decode_sample(sample: VqaSample, options: VqaOptions, *, unit: int = 0, seed: int, epoch: int, url: str,
+                  key: str) -> dict[str, Any]:
+    """One unit: the image in its frame and one question (per="question") or all of them (per="image")."""
+    questions = sample.questions
+    if options.per == "question":
+        _check(unit < len(questions), url, key, "questions", f"question {unit} asked for, the sample holds "
+               f"{len(questions)} (manifest and shard disagree)")
+        questions = [questions[unit]]
+    height, width = sample.stored_size
+    frame = None if options.image_size is None else fit(height, width, options.image_size)
+    pixels = decode_image(sample.data, frame, url, key, options.max_image_pixels, formats=(_FORMATS[sample.ext],),
+                          field=sample.ext, size=sample.stored_size)
+    return {
+        "key": key,
+        "path": sample.image["path"],
+        "image": pixels,
+        "image_size": tuple(pixels.shape[1:]),
+        "original_size": (sample.image["height"], sample.image["width"]),
+        "count": unit if options.per == "question" else len(questions),
+        "questions": [q["question"] for q in questions],
+        "answers": [q["answer"] for q in questions],
+        "fields": [q["fields"] for q in questions],
+    }
+
+
+def _trl(sample: dict[str, Any]) -> dict[str, Any]:
+    """A question in the conversational form of TRL's GRPOTrainer, with the record's other fields."""
+    question = sample["questions"][0]
+    pixels = np.ascontiguousarray(sample["image"].permute(1, 2, 0).numpy())
+    return {
+        **sample["fields"][0],
+        "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+        "image": Image.fromarray(pixels),  # (h, w, 3) uint8: RGB
+        "question": question,
+        "answer": sample["answers"][0],
+        "key": sample["key"],
+        "image_path": sample["path"],
+    }
+
+
+def collate(samples: Sequence[dict[str, Any]], options: VqaOptions) -> dict[str, Any] | list[dict[str, Any]]:
+    """A batch in transit (see `finish`): images zero-padded in shared memory, the integer columns
+    stacked into one tensor, strings and records as lists. In the TRL form, a list of the samples' dicts."""
+    if options.form == "trl":
+        return [_trl(x) for x in samples]
+    b = len(samples)
+    if options.image_size is not None:
+        height = width = options.image_size
+    else:
+        height, width = (max(x["image_size"][i] for x in samples) for i in (0, 1))
+    images = empty((b, 3, height, width), torch.uint8)
+    for i, x in enumerate(samples):
+        _, h, w = x["image"].shape
+        images[i, :, :h, :w] = x["image"]
+        images[i, :, h:] = 0
+        images[i, :, :h, w:] = 0
+    info = torch.tensor([[*x["image_size"], *x["original_size"], x["count"]] for x in samples], dtype=torch.int64)
+    one = options.per == "question"
+    return {
+        "images": images,
+        "info": info,
+        "keys": [x["key"] for x in samples],
+        "paths": [x["path"] for x in samples],
+        **{name: [x[name][0] if one else x[name] for x in samples] for name in ("questions", "answers", "fields")},
+    }
+
+
+def finish(batch: dict[str, Any], options: VqaOptions) -> dict[str, Any]:
+    """The batch users get, on whatever device it was moved to: the stacked column split into its fields."""
+    info = batch["info"]
+    return {
+        "images": batch["images"],
+        "image_sizes": info[:, 0:2].contiguous(),
+        "original_sizes": info[:, 2:4].contiguous(),
+        _COUNT[options.per]: info[:, 4].contiguous(),
+        **{name: batch[name] for name in LIST_FIELDS},
+    }
+
+
+def check_batch(batch: dict[str, Any], options: VqaOptions, epoch: int) -> list[str]:
+    """What is wrong with a batch (empty if nothing): keys, dtypes, shapes, sizes, padding, lists."""
+    count = _COUNT[options.per]
+    expected = set(BATCH_FIELDS) | {count} | set(LIST_FIELDS)
+    if set(batch) != expected:
+        return [f"keys {sorted(batch)}, expected {sorted(expected)}"]
+    problems = []
+    for name, dtype in {**BATCH_FIELDS, count: torch.int64}.items():
+        if batch[name].dtype != dtype:
+            problems.append(f"{name}: dtype {batch[name].dtype}, expected {dtype}")
+    b = len(batch["keys"])
+    images = batch["images"]
+    if images.dim() != 4 or images.shape[:2] != (b, 3):
+        return problems + [f"images: shape {tuple(images.shape)}, expected ({b}, 3, H, W)"]
+    height, width = images.shape[2:]
+    if options.image_size is not None and (height, width) != (options.image_size,) * 2:
+        problems.append(f"images: {height}x{width}, expected {options.image_size}x{options.image_size}")
+    for name, shape in (("image_sizes", (b, 2)), ("original_sizes", (b, 2)), (count, (b,))):
+        if tuple(batch[name].shape) != shape:
+            problems.append(f"{name}: shape {tuple(batch[name].shape)}, expected {shape}")
+    for name in LIST_FIELDS:
+        if not isinstance(batch[name], list) or len(batch[name]) != b:
+            problems.append(f"{name}: expected a list of {b}")
+    if problems:
+        return problems
+    sizes = batch["image_sizes"].cpu()
+    if (sizes < 1).any() or (sizes[:, 0] > height).any() or (sizes[:, 1] > width).any():
+        problems.append(f"image_sizes: {sizes.tolist()} outside the {height}x{width} batch frame")
+    elif options.image_size is not None and (sizes.max(1).values != options.image_size).any():
+        problems.append(f"image_sizes: {sizes.tolist()}, the long side should be {options.image_size}")
+    elif options.image_size is None and (sizes.max(0).values.tolist() != [height, width]):
+        problems.append(f"images: {height}x{width}, more than the largest image {sizes.max(0).values.tolist()}")
+    else:
+        rows = torch.arange(height)[None, :] >= sizes[:, :1]
+        cols = torch.arange(width)[None, :] >= sizes[:, 1:]
+        pad = (rows[:, :, None] | cols[:, None, :])[:, None].expand(-1, 3, -1, -1).to(images.device)
+        if images[pad].any():
+            problems.append("images: non-zero padding beyond image_sizes")
+    counts = batch[count].cpu()
+    if options.per == "question":
+        texts = [(q, a) for q, a in zip(batch["questions"], batch["answers"])]
+        if (counts < 0).any():
+            problems.append(f"question_index: negative values {counts.tolist()}")
+    else:
+        if [len(q) for q in batch["questions"]] != counts.tolist() or (counts < 1).any():
+            problems.append(f"question_counts: {counts.tolist()} do not match the question lists")
+        texts = [(q, a) for qs, ans in zip(batch["questions"], batch["answers"]) for q, a in zip(qs, ans)]
+    if not all(isinstance(q, str) and q and isinstance(a, str) and a for q, a in texts):
+        problems.append("questions/answers: empty or not strings")
+    return problems
+
+
+def trl_dataset(
+    source: str | Sequence[str],
+    split: str,
+    *,
+    seed: int = 0,
+    image_size: int | None = 448,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    rank: int | None = 0,
+    world_size: int | None = 1,
+    on_error: str = "raise",
+    max_errors: int | float | None = None,
+    shuffle_window: int = 16384,
+    storage_options: dict[str, Any] | None = None,
+    limits: ReadLimits | None = None,
+    max_workers: int = 16,
+    chunk: int = 16,
+) -> IterableDataset:
+    """A torch IterableDataset of per-question dicts in the conversational form of TRL's GRPOTrainer:
+    `{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+    "image": PIL RGB image, "question", "answer", "key", "image_path", ...every original field}`.
+
+    Pass it as `train_dataset` as it is. It splits itself over the DataLoader workers of whoever
+    iterates it (up to `max_workers`) exactly once, shuffles by (seed, epoch) and has `set_epoch`
+    (HF Trainer calls it) and `len()`. Ranks: by default every process yields the whole split in
+    the same order, as HF Trainer/accelerate expect of an iterable dataset (they hand each process
+    its slice of every global batch). A loop that does not shard passes `rank`/`world_size` (or
+    None for torch.distributed's) to read only this rank's exact share, with `drop_last=True` for
+    equal counts on every rank.
+
+    The plan deals out `chunk` questions at a time (a worker reads a chunk, the next worker the
+    next); with `on_error="skip"` a bad sample is left out of its chunk.
+    """
+    from pipeline.loader import make_stream_dataset  # the loader imports the kinds, this module among them
+
+    stream = make_stream_dataset(source, split, batch_size=chunk, flatten=True, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                 on_error=on_error, max_errors=max_errors, shuffle_window=shuffle_window, rank=rank,
+                                 world_size=world_size, storage_options=storage_options, limits=limits,
+                                 max_workers=max_workers, per="question", image_size=image_size)
+    if not isinstance(stream.options, VqaOptions):
+        raise ValueError(f"{source}: a {stream.kind_name} dataset, not vqa")
+    stream.options = dataclasses.replace(stream.options, form="trl")
+    return stream
