@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import sa1b
+from pipeline import embeddings, sa1b
 from pipeline.format import Manifest, ShardInfo
 
 __all__ = ["Kind", "KINDS"]
@@ -28,7 +28,7 @@ class Kind:
     image): the plan orders units, the loader opens a sample once and decodes its units one by one."""
 
     options: Callable[..., Any]  # (manifests, limits, **user options) -> the kind's frozen options
-    decode: Callable[..., dict[str, Any]]  # (opened, options, *, unit, seed, epoch, url, key) -> sample
+    decode: Callable[..., Any]  # (opened, options, *, unit, seed, epoch, url, key) -> sample, as collate takes it
     collate: Callable[..., dict[str, Any]]  # (samples, options) -> batch in transit (in a worker)
     finish: Callable[..., dict[str, Any]]  # (batch, options) -> batch for the user (after the device copy)
     check: Callable[..., list[str]]  # (batch, options, epoch) -> problems
@@ -45,6 +45,12 @@ def _sa1b_verify(manifest: Manifest) -> sa1b.Sa1bOptions:
     return sa1b.Sa1bOptions(image_size=256, mask_size=64, max_masks=1 << 30)
 
 
+def _embeddings_options(manifests: Sequence[Manifest], limits: Any, **options: Any) -> embeddings.EmbeddingsOptions:
+    return embeddings.options_from_manifests(manifests, **options)
+
+
 KINDS: dict[str, Kind] = {
     "sa1b": Kind(_sa1b_options, sa1b.decode_sample, sa1b.collate, sa1b.finish, sa1b.check_batch, _sa1b_verify),
+    "embeddings": Kind(_embeddings_options, embeddings.decode, embeddings.collate, embeddings.finish,
+                       embeddings.check_batch, embeddings.verify_options, embeddings.units, embeddings.open_block),
 }
