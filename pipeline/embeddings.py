@@ -296,14 +296,15 @@ def collate(rows: Sequence[_Row], options: EmbeddingsOptions) -> dict[str, Any]:
     Rows keep the plan's order; each block's rows are gathered with one fancy index per field."""
     b, epoch = len(rows), rows[0].epoch
     layout = options.layout(epoch)
-    groups: dict[int, tuple[Block, list[int], list[int]]] = {}
-    for position, (block, unit, _) in enumerate(rows):
-        group = groups.get(id(block))
-        if group is None:
-            group = groups[id(block)] = (block, [], [])
-        group[1].append(position)
-        group[2].append(unit)
-    parts = [(block, np.asarray(positions), np.asarray(units)) for block, positions, units in groups.values()]
+    blocks, units, _ = zip(*rows)
+    labels: dict[int, int] = {}
+    label = np.array([labels.setdefault(id(block), len(labels)) for block in blocks])
+    picked = np.array(units)
+    if len(labels) == 1:
+        groups = [(blocks[0], slice(None), picked)]
+    else:
+        order = np.argsort(label, kind="stable")
+        groups = [(blocks[int(p[0])], p, picked[p]) for p in np.split(order, np.flatnonzero(np.diff(label[order])) + 1)]
     offsets, total = _offsets(layout, b)
     buffer = empty((total,), torch.uint8)
     flat = buffer.numpy()
@@ -311,14 +312,14 @@ def collate(rows: Sequence[_Row], options: EmbeddingsOptions) -> dict[str, Any]:
     for (name, dtype, shape), offset in zip(layout, offsets):
         size = b * math.prod(shape) * storage_dtype(dtype).itemsize
         out = flat[offset : offset + size].view(storage_dtype(dtype)).reshape(b, *shape)
-        for block, positions, picked in parts:
+        for block, positions, chosen in groups:
             source = block.columns[name]
             if shape[:1] != source.shape[1:2]:  # a scheduled `take`
                 source = source[:, : shape[0]]
-            if len(parts) == 1:
-                np.take(source, picked, axis=0, out=out)
+            if len(groups) == 1:  # mode="clip": take's fast path (with "raise" it buffers `out`); indices are checked
+                np.take(source, chosen, axis=0, out=out, mode="clip")
             else:
-                out[positions] = source[picked]
+                out[positions] = source[chosen]
         shipped.append((name, dtype, (b, *shape), offset))
     return {"buffer": buffer, "layout": tuple(shipped)}
 

@@ -211,6 +211,8 @@ class EmbeddingsSource:
     def load(cls, root: str, schema: str | None = None, rows_per_block: int | None = None) -> EmbeddingsSource:
         """Read the schema and check every array and split; raises InputError (RowError for a bad
         value: file, field, row and value) before anything is written."""
+        if rows_per_block is not None and (type(rows_per_block) is not int or rows_per_block < 1):
+            raise ValueError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
         root = os.path.abspath(root)
         schema_path = schema or os.path.join(root, SCHEMA_NAME)
         if not os.path.isdir(root):
@@ -307,8 +309,6 @@ class EmbeddingsSource:
         row_bytes = sum(math.prod(f.field.shape) * storage_dtype(f.field.dtype).itemsize for f in fields) + 8
         if rows_per_block is None:
             rows_per_block = min(MAX_BLOCK_ROWS, 1 << max(0, (BLOCK_BYTES // row_bytes).bit_length() - 1))
-        if type(rows_per_block) is not int or rows_per_block < 1:
-            raise ValueError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
         if rows_per_block * row_bytes > ReadLimits.max_member_bytes - 4096:
             raise ValueError(f"rows_per_block={rows_per_block} makes blocks of {rows_per_block * row_bytes} bytes, more "
                              f"than a reader accepts ({ReadLimits.max_member_bytes}); use fewer rows per block")
