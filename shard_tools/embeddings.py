@@ -138,14 +138,26 @@ def open_array(path: str, tensor: str | None = None, url: str | None = None) -> 
     return _safetensors(path, tensor, url)
 
 
+def _stamp(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @functools.lru_cache(maxsize=64)
-def _mapped(path: str, tensor: str | None) -> tuple[np.ndarray, str]:
+def _mapped_at(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tuple[np.ndarray, str]:
     return open_array(path, tensor)
 
 
+def _mapped(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tuple[np.ndarray, str]:
+    """The array as it was checked: a file replaced or rewritten since then is an error, not data."""
+    if _stamp(path) != stamp:
+        raise InputError(path, "changed since it was checked; run shard-pack again")
+    return _mapped_at(path, tensor, stamp)
+
+
 @functools.lru_cache(maxsize=16)
-def _split_rows(path: str, tensor: str | None) -> np.ndarray:
-    return np.sort(np.asarray(_mapped(path, tensor)[0], dtype=np.int64))
+def _split_rows(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> np.ndarray:
+    return np.sort(np.asarray(_mapped(path, tensor, stamp)[0], dtype=np.int64))
 
 
 # -- schema --------------------------------------------------------------------------------------
@@ -159,6 +171,7 @@ class SourceField:
     tensor: str | None
     sha256: str
     index_into: int | str | dict[str, Any] | None = None  # as the schema states it
+    stamp: tuple[int, int, int] = (0, 0, 0)  # (inode, size, mtime) when checked: encode refuses a changed file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +181,7 @@ class SourceSplit:
     tensor: str | None
     rows: int
     sha256: str | None
+    stamp: tuple[int, int, int] = (0, 0, 0)
 
 
 def _sha256(path: str) -> str:
@@ -234,7 +248,7 @@ class EmbeddingsSource:
         def path(file: str) -> str:
             return os.path.join(root, file)
 
-        entries, arrays = [], {}
+        entries, arrays, stamps = [], {}, {}
         for name, entry in spec["fields"].items():
             where = f"field {name!r}"
             if not name.isidentifier() or name == EMB_ROW or len(name) > 64:
@@ -248,6 +262,7 @@ class EmbeddingsSource:
             rng = entry.get("range")
             if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(map(_number, rng)) and rng[0] <= rng[1]):
                 raise InputError(schema_path, f"{where}: range must be [low, high] (finite numbers, low <= high), got {rng!r}")
+            stamps[name] = _stamp(path(file)) if os.path.isfile(path(file)) else (0, 0, 0)
             arrays[name] = open_array(path(file), tensor, file)
             entries.append((name, file, tensor, rng, entry.get("index_into")))
 
@@ -281,7 +296,7 @@ class EmbeddingsSource:
             problem = _check_values(array, field, file)
             if problem is not None:
                 problems.append(problem)
-            fields.append(SourceField(field, file, tensor, _sha256(path(file)), index_into))
+            fields.append(SourceField(field, file, tensor, _sha256(path(file)), index_into, stamps[name]))
 
         splits_spec = spec.get("splits")
         splits, assigned = [], np.zeros(rows, dtype=np.bool_)
@@ -291,13 +306,14 @@ class EmbeddingsSource:
             if not name.isidentifier() or len(name) > 40:
                 raise InputError(schema_path, f"split {name!r}: names are identifiers of at most 40 characters")
             file, tensor = _array_ref(value, schema_path, f"split {name!r}")
+            stamp = _stamp(path(file)) if os.path.isfile(path(file)) else (0, 0, 0)
             index, dtype = open_array(path(file), tensor, file)
             if dtype not in _INTEGERS or index.ndim != 1:
                 raise InputError(file, f"split {name!r}: want a 1-D array of integer row indices, got {dtype}{list(index.shape)}")
             problem = _check_split(np.asarray(index), name, file, rows, assigned)
             if problem is not None:
                 problems.append(problem)
-            splits.append(SourceSplit(name, file, tensor, len(index), _sha256(path(file))))
+            splits.append(SourceSplit(name, file, tensor, len(index), _sha256(path(file)), stamp))
         if problems:
             if len(problems) == 1:
                 raise problems[0]
@@ -326,13 +342,14 @@ class EmbeddingsSource:
             "unassigned_rows": self.unassigned,
             "fields": [{**f.field.to_json(), "file": f.file, "tensor": f.tensor, "index_into": f.index_into,
                         "sha256": f.sha256} for f in self.fields],
-            "splits": [dataclasses.asdict(s) for s in self.splits],
+            "splits": [{"name": s.name, "file": s.file, "tensor": s.tensor, "rows": s.rows, "sha256": s.sha256}
+                       for s in self.splits],
         }
 
     def _rows(self, split: SourceSplit) -> np.ndarray:
         if split.file is None:
             return np.arange(self.rows, dtype=np.int64)
-        return _split_rows(os.path.join(self.root, split.file), split.tensor)
+        return _split_rows(os.path.join(self.root, split.file), split.tensor, split.stamp)
 
     def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
         """One sample per block of each split: `rows_per_block` rows, in row order."""
@@ -348,7 +365,7 @@ class EmbeddingsSource:
                 for f in self.fields:
                     path = os.path.join(self.root, f.file)
                     row_bytes = math.prod(f.field.shape) * storage_dtype(f.field.dtype).itemsize
-                    offset = getattr(_mapped(path, f.tensor)[0], "offset", 0) + first * row_bytes
+                    offset = getattr(_mapped(path, f.tensor, f.stamp)[0], "offset", 0) + first * row_bytes
                     parts.append((f.field.name, Part(path, offset, len(chunk) * row_bytes, f"{f.file}[rows {first}..{last}]")))
                 refs.append(SampleRef(f"{split.name}-{block:06d}", tuple(parts), split.name, len(chunk)))
         return refs, []
@@ -362,7 +379,7 @@ class EmbeddingsSource:
         contiguous = int(rows[-1]) - int(rows[0]) + 1 == len(rows)
         columns = [(EMB_ROW, "int64", rows)]
         for f in self.fields:
-            array, dtype = _mapped(os.path.join(self.root, f.file), f.tensor)
+            array, dtype = _mapped(os.path.join(self.root, f.file), f.tensor, f.stamp)
             values = array[int(rows[0]) : int(rows[-1]) + 1] if contiguous else array[rows]
             columns.append((f.field.name, dtype, np.asarray(values, dtype=storage_dtype(dtype))))
         table, data = pack_columns(columns)

@@ -20,7 +20,7 @@ from pipeline.errors import InputError, RowError
 from pipeline.format import Manifest, pack_columns, pack_record, unpack_columns, unpack_record
 from shard_tools.cli import main
 from shard_tools.embeddings import EmbeddingsSource, pack_embeddings
-from shard_tools.pack import PackOptions
+from shard_tools.pack import PackOptions, pack
 
 N, D, K, CLUSTERS, SOURCES = 300, 8, 3, 16, 50
 SPLITS = {"train": 210, "val": 45, "test": 40}  # 5 rows in no split
@@ -335,6 +335,15 @@ def test_missing_files_are_named(tmp_path):
         EmbeddingsSource.load(str(tmp_path / "src"), schema=str(tmp_path / "nope.json"))
 
 
+def test_a_file_changed_after_its_check_is_not_packed(tmp_path):
+    src = tmp_path / "src"
+    arrays = write_source(src)
+    source = EmbeddingsSource.load(str(src), rows_per_block=BLOCK)
+    np.save(src / "relevance.npy", arrays["relevance"][::-1].copy())
+    with pytest.raises(InputError, match="relevance.npy: changed since it was checked"):
+        pack(source, [str(src)], str(tmp_path / "out"), PackOptions(splits=None), progress=False)
+
+
 class _Payload:
     """Unpickling this creates a file: proof that a loader ran pickle."""
 
@@ -450,6 +459,22 @@ def test_curriculum_schedule_reaches_persistent_workers(emb_src, emb_dataset):
             assert batch["negative_embs"].shape == (8, count, D)
             assert np.array_equal(batch["negative_embs"].numpy(), arrays["negative_embs"][batch["row"].numpy(), :count])
             assert not check_batch(batch, loader._stream.options, epoch)
+
+
+def test_mixing_datasets_of_the_same_fields(emb_src, emb_dataset, tmp_path):
+    other = tmp_path / "other"
+    write_source(other, seed=1)
+    _pack(other, tmp_path / "out")
+    loader = make_stream_loader([emb_dataset, str(tmp_path / "out")], "train", batch_size=10, num_workers=0,
+                                weights=[0.5, 0.5], epoch_size=200)
+    batches = _epoch(loader, 0)
+    assert sum(len(b["row"]) for b in batches) == 200 and not check_batch(batches[0], loader._stream.options, 0)
+    schema = json.loads((other / "schema.json").read_text())
+    del schema["fields"]["steering"]
+    (other / "schema.json").write_text(json.dumps(schema))
+    _pack(other, tmp_path / "fewer")
+    with pytest.raises(ValueError, match="cannot mix datasets with fields"):
+        make_stream_loader([emb_dataset, str(tmp_path / "fewer")], "train", batch_size=10, num_workers=0)
 
 
 def test_fields_select_what_batches_hold(emb_dataset):
