@@ -8,6 +8,7 @@ Data (cached in .cache/bench-embeddings/): `question_emb` and `steering` (N, 768
 (a) make_stream_loader over the train split: num_workers=2, shuffled, batches of every field.
 (b) floor: one single-threaded process gathering random batches of the same rows and fields with
     numpy fancy indexing from memory-mapped .npy files (page cache warm), times the cores.
+(a0) the same loader with num_workers=0 (in the main process: no batch crosses processes).
 (c) transport ceiling: a DataLoader with the same workers that reads nothing and only ships
     batches of the same bytes to the main process the way the loader does (one shared-memory
     buffer per batch, filled by a copy): what process-based loading can reach on this machine.
@@ -143,8 +144,9 @@ def run_transport(data: pathlib.Path, workers: int, batch_size: int, epochs: int
     return {"rate": statistics.median(rates)}
 
 
-def _child(method: str, data: pathlib.Path, args: argparse.Namespace) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--only", method, "--data", str(data), "--workers", str(args.workers),
+def _child(method: str, data: pathlib.Path, args: argparse.Namespace, workers: int | None = None) -> dict:
+    workers = args.workers if workers is None else workers
+    out = subprocess.run([sys.executable, __file__, "--only", method, "--data", str(data), "--workers", str(workers),
                           "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)],
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -173,10 +175,12 @@ def main() -> None:
           f"{size / 1e9:.2f} GB; batch {args.batch_size}, num_workers={args.workers}, cores={cores}", flush=True)
     floor = _child("floor", data, args)
     loader = _child("loader", data, args)
+    in_process = _child("loader", data, args, workers=0)
     transport = _child("transport", data, args)
     print(f"{'method':<72}{'rows/s':>12}")
     for label, rate in ((f"(b) floor: numpy gathers from memory-mapped .npy, 1 process x {cores} cores", floor["rate"]),
                         (f"(a) make_stream_loader, num_workers={args.workers}", loader["rate"]),
+                        ("(a0) make_stream_loader, num_workers=0", in_process["rate"]),
                         (f"(c) transport ceiling: {args.workers} workers only ship the same bytes", transport["rate"])):
         print(f"{label:<72}{rate:>12,.0f}")
     print(f"floor per process: {floor['per_process']:,.0f} rows/s; loader epochs: "

@@ -477,9 +477,12 @@ def test_mixing_datasets_of_the_same_fields(emb_src, emb_dataset, tmp_path):
         make_stream_loader([emb_dataset, str(tmp_path / "fewer")], "train", batch_size=10, num_workers=0)
 
 
-def test_fields_select_what_batches_hold(emb_dataset):
-    batch = next(iter(_loader(emb_dataset, fields=("question_emb", "cluster_id"), take={})))
+def test_fields_select_what_batches_hold_and_device_moves_them(emb_src, emb_dataset):
+    batch = next(iter(_loader(emb_dataset, fields=("question_emb", "cluster_id"), take={}, device="cpu", num_workers=1)))
     assert set(batch) == {"row", "question_emb", "cluster_id"}
+    rows = batch["row"].numpy()
+    assert np.array_equal(batch["question_emb"].numpy(), emb_src[1]["question_emb"][rows])
+    assert batch["question_emb"].is_contiguous() and batch["cluster_id"].shape == (8,)
 
 
 @pytest.mark.parametrize(("options", "message"), [
