@@ -113,6 +113,8 @@ def _npy(path: str, url: str) -> tuple[np.ndarray, str]:
         if "pickle" in str(exc) or "object" in str(exc).lower():
             raise InputError(url, f"holds Python objects, which only pickle can read: {_PICKLE_HELP}") from exc
         raise InputError(url, f"cannot read .npy: {exc}") from exc
+    except OSError as exc:
+        raise InputError(url, f"cannot read .npy: {exc}") from exc
     dtype = array.dtype
     name = dtype.name if dtype.kind in "biuf" and dtype.fields is None else ""
     if name not in COLUMN_DTYPES or name == BFLOAT16:

@@ -13,11 +13,15 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pipeline import SampleError, make_stream_loader, validate_first_batch
 from pipeline.embeddings import EmbeddingsOptions, Field, check_batch, open_block
 from pipeline.errors import InputError, RowError
-from pipeline.format import Manifest, pack_columns, pack_record, unpack_columns, unpack_record
+from pipeline.format import (
+    COLUMN_ALIGN, COLUMN_DTYPES, Manifest, pack_columns, pack_record, storage_dtype, unpack_columns, unpack_record,
+)
 from shard_tools.cli import main
 from shard_tools.embeddings import EmbeddingsSource, pack_embeddings
 from shard_tools.pack import PackOptions, pack
@@ -574,6 +578,23 @@ def test_nan_in_a_block_is_caught_when_values_are_checked():
     options = EmbeddingsOptions(_options().schema, rows=10, check_values=True)
     with pytest.raises(SampleError, match=r"row 1: value nan at \[1\]: NaN or infinite"):
         open_block(members, options, url="s", key="k")
+
+
+@given(st.lists(st.tuples(st.sampled_from(COLUMN_DTYPES), st.lists(st.integers(0, 3), max_size=2)), min_size=1,
+                max_size=5), st.integers(1, 5), st.integers(0, 2**32 - 1))
+def test_columns_round_trip_bit_for_bit(specs, rows, seed):
+    rng = np.random.default_rng(seed)
+    columns = []
+    for i, (dtype, shape) in enumerate(specs):
+        raw = rng.integers(0, 256, rows * int(np.prod(shape, dtype=np.int64)) * storage_dtype(dtype).itemsize, np.uint8)
+        columns.append((f"c{i}", dtype, raw.view(storage_dtype(dtype)).reshape(rows, *shape)))
+    table, data = pack_columns(columns)
+    got = unpack_columns(table, data)
+    assert list(got) == [name for name, _, _ in columns]
+    for name, dtype, array in columns:
+        assert got[name][0] == dtype and got[name][1].dtype == array.dtype
+        assert got[name][1].tobytes() == array.tobytes() and got[name][1].shape == array.shape
+    assert all(column[3] % COLUMN_ALIGN == 0 for column in unpack_record(table)["columns"])
 
 
 def test_column_tables_refuse_what_the_writer_never_makes():
