@@ -6,7 +6,7 @@ DataLoader worker reaches the training process with its type and attributes inta
 
 from __future__ import annotations
 
-__all__ = ["ShardstreamError", "ManifestError", "ShardError", "SampleError"]
+__all__ = ["ShardstreamError", "ManifestError", "ShardError", "SampleError", "InputError", "RowError"]
 
 
 class ShardstreamError(Exception):
@@ -38,3 +38,19 @@ class SampleError(ShardstreamError):
     def __str__(self) -> str:
         where = f"sample {self.key!r}" + (f", field {self.field!r}" if self.field else "")
         return f"{self.url}: {where}: {self.message}"
+
+
+class InputError(ShardstreamError):
+    """A packing input cannot be used as it is (a missing or unsafe file, a schema, arrays that
+    disagree); packing stops before anything is written."""
+
+
+class RowError(InputError):
+    """One value of an input array breaks its schema (NaN, out of range, a reference out of bounds)."""
+
+    def __init__(self, url: str, field: str, row: int, value: str, message: str) -> None:
+        Exception.__init__(self, url, field, row, value, message)
+        self.url, self.field, self.row, self.value, self.message = url, field, row, value, message
+
+    def __str__(self) -> str:
+        return f"{self.url}: field {self.field!r}, row {self.row}: value {self.value}: {self.message}"

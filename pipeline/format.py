@@ -11,14 +11,18 @@ reader can fetch any sample by byte range. A kind whose samples hold several uni
 yields one by one (rows of an embeddings block, questions of a VQA image) lists each sample's
 unit count in `units`; without it every sample is one unit.
 
+An embeddings sample is a block of rows: `<key>.msgpack` is its column table and `<key>.bin`
+the columns' raw little-endian bytes (`pack_columns`), so a reader takes zero-copy views.
+
 Schema history: 1, SA-1B only; 2 adds `units` (a version 1 manifest reads as version 2) and the
-`vqa` kind.
+`vqa` and `embeddings` kinds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,6 +45,15 @@ __all__ = [
     "VQA_RECORD_FIELDS",
     "VQA_IMAGE_FIELDS",
     "VQA_QUESTION_FIELDS",
+    "EMB_TABLE",
+    "EMB_DATA",
+    "EMB_ROW",
+    "BFLOAT16",
+    "COLUMN_DTYPES",
+    "COLUMN_ALIGN",
+    "storage_dtype",
+    "pack_columns",
+    "unpack_columns",
     "ShardInfo",
     "Manifest",
     "shard_name",
@@ -63,8 +76,14 @@ SA1B_ANN = "msgpack"
 # --image-max-side), then the record.
 VQA_IMAGE_EXTS = {"JPEG": "jpg", "PNG": "png"}  # Pillow format -> member extension
 VQA_RECORD = "msgpack"
-KIND_MEMBERS: dict[str, tuple[str, ...]] = {"sa1b": (SA1B_JPG, SA1B_ANN)}
-KIND_MEMBERS["vqa"] = (*VQA_IMAGE_EXTS.values(), VQA_RECORD)  # exactly one of the image extensions
+# Embeddings: a block of rows, its column table then the columns' bytes.
+EMB_TABLE = "msgpack"
+EMB_DATA = "bin"
+KIND_MEMBERS: dict[str, tuple[str, ...]] = {
+    "sa1b": (SA1B_JPG, SA1B_ANN),
+    "vqa": (*VQA_IMAGE_EXTS.values(), VQA_RECORD),  # exactly one of the image extensions
+    "embeddings": (EMB_TABLE, EMB_DATA),
+}
 
 # The SA-1B annotation record (msgpack map). Geometry is in the original image frame
 # (`image.width` x `image.height`), whatever size the stored JPEG has (`stored_size`).
@@ -99,6 +118,16 @@ VQA_QUESTION_FIELDS = (
     "layout",  # "vqa-rad", "slake", "llava" or "mapped"
     "fields",  # the original JSON record, every field as it was
 )
+# Embeddings blocks. The table (msgpack map) is {"rows": n, "columns": [[name, dtype, shape, offset], ...]}:
+# shape starts with n, dtype is one of COLUMN_DTYPES, and each column's bytes start at `offset` in
+# the data member: the first at 0, each next one at the first multiple of COLUMN_ALIGN after the
+# one before (zero padding), the data ending with the last column. Nothing else is accepted.
+EMB_ROW = "row"  # the column holding each row's index in the packed input arrays (int64)
+BFLOAT16 = "bfloat16"  # numpy has no bfloat16: stored as its little-endian 16-bit patterns, read as torch.bfloat16
+COLUMN_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                 "float16", BFLOAT16, "float32", "float64")
+COLUMN_ALIGN = 64
+_COLUMN_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_\-]{1,80}")
 _ARRAY_DTYPES = frozenset({"|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8", "|b1"})
@@ -136,6 +165,67 @@ def decode_array(obj: Any) -> np.ndarray:
     if not isinstance(data, bytes) or len(data) != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
         raise ValueError(f"array data does not match dtype {dtype} and shape {shape}")
     return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The little-endian numpy dtype holding a column dtype's values (bfloat16: its uint16 bit patterns)."""
+    if name not in COLUMN_DTYPES:
+        raise ValueError(f"column dtype {name!r} not allowed; allowed: {list(COLUMN_DTYPES)}")
+    return np.dtype("<u2" if name == BFLOAT16 else name).newbyteorder("<")
+
+
+def _column_layout(columns: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for _, dtype, shape in columns:
+        start = -(-end // COLUMN_ALIGN) * COLUMN_ALIGN
+        offsets.append(start)
+        end = start + math.prod(shape) * storage_dtype(dtype).itemsize  # exact: no int64 overflow
+    return offsets, end
+
+
+def pack_columns(columns: Sequence[tuple[str, str, np.ndarray]]) -> tuple[bytes, bytes]:
+    """(table, data) members of a block from (name, dtype, array) columns of equal length; a bfloat16
+    column is given as its uint16 bit patterns."""
+    n = len(columns[0][2]) if columns else 0
+    layout = [(name, dtype, tuple(array.shape)) for name, dtype, array in columns]
+    for name, dtype, array in columns:
+        if not _COLUMN_NAME_RE.fullmatch(name) or array.ndim < 1 or len(array) != n:
+            raise ValueError(f"column {name!r}: want a name like a Python identifier and {n} rows, got {array.shape}")
+        if array.dtype.newbyteorder("<") != storage_dtype(dtype):
+            raise ValueError(f"column {name!r}: array of {array.dtype} given for dtype {dtype}")
+    offsets, end = _column_layout(layout)
+    data = bytearray(end)
+    for (_, dtype, array), offset in zip(columns, offsets):
+        raw = np.ascontiguousarray(array, dtype=storage_dtype(dtype)).tobytes()
+        data[offset : offset + len(raw)] = raw
+    table = {"rows": n, "columns": [[name, dtype, list(shape), offset] for (name, dtype, shape), offset in zip(layout, offsets)]}
+    return pack_record(table), bytes(data)
+
+
+def unpack_columns(table: bytes, data: bytes) -> dict[str, tuple[str, np.ndarray]]:
+    """{name: (dtype, read-only view into `data`)} of a block; ValueError on anything `pack_columns`
+    would not have written (unknown dtypes, lengths that disagree, offsets off the layout, extra bytes)."""
+    obj = unpack_record(table)
+    if set(obj) != {"rows", "columns"} or type(obj["rows"]) is not int or not isinstance(obj["columns"], list):
+        raise ValueError("not a column table (want a map with rows and columns)")
+    n, layout, given = obj["rows"], [], []
+    for column in obj["columns"]:
+        if not (isinstance(column, list) and len(column) == 4 and isinstance(column[0], str)
+                and _COLUMN_NAME_RE.fullmatch(column[0]) and column[1] in COLUMN_DTYPES
+                and isinstance(column[2], list) and column[2][:1] == [n]
+                and all(type(d) is int and d >= 0 for d in column[2]) and type(column[3]) is int):
+            raise ValueError(f"invalid column entry {column!r}"[:200])
+        layout.append((column[0], column[1], tuple(column[2])))
+        given.append(column[3])
+    if len({name for name, _, _ in layout}) != len(layout):
+        raise ValueError("duplicate column names")
+    offsets, end = _column_layout(layout)
+    if given != offsets or len(data) != end:
+        raise ValueError(f"column offsets {given} and {len(data)} data bytes, expected {offsets} and {end}")
+    return {
+        name: (dtype, np.frombuffer(data, storage_dtype(dtype), math.prod(shape), offset).reshape(shape))
+        for (name, dtype, shape), offset in zip(layout, offsets)
+    }
 
 
 def pack_record(record: Mapping[str, Any]) -> bytes:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import sa1b, vqa
+from pipeline import embeddings, sa1b, vqa
 from pipeline.format import Manifest, ShardInfo
 
 __all__ = ["Kind", "KINDS"]
@@ -28,7 +28,7 @@ class Kind:
     image): the plan orders units, the loader opens a sample once and decodes its units one by one."""
 
     options: Callable[..., Any]  # (manifests, limits, **user options) -> the kind's frozen options
-    decode: Callable[..., dict[str, Any]]  # (opened, options, *, unit, seed, epoch, url, key) -> sample
+    decode: Callable[..., Any]  # (opened, options, *, unit, seed, epoch, url, key) -> sample, as collate takes it
     collate: Callable[..., dict[str, Any]]  # (samples, options) -> batch in transit (in a worker)
     finish: Callable[..., dict[str, Any]]  # (batch, options) -> batch for the user (after the device copy)
     check: Callable[..., list[str]]  # (batch, options, epoch) -> problems
@@ -54,8 +54,14 @@ def _vqa_verify(manifest: Manifest) -> vqa.VqaOptions:
     return vqa.VqaOptions(per="image", image_size=256)  # every image decoded once, every question checked
 
 
+def _embeddings_options(manifests: Sequence[Manifest], limits: Any, **options: Any) -> embeddings.EmbeddingsOptions:
+    return embeddings.options_from_manifests(manifests, **options)
+
+
 KINDS: dict[str, Kind] = {
     "sa1b": Kind(_sa1b_options, sa1b.decode_sample, sa1b.collate, sa1b.finish, sa1b.check_batch, _sa1b_verify),
     "vqa": Kind(_vqa_options, vqa.decode_sample, vqa.collate, vqa.finish, vqa.check_batch, _vqa_verify, vqa.units,
                 vqa.open_sample),
+    "embeddings": Kind(_embeddings_options, embeddings.decode, embeddings.collate, embeddings.finish,
+                       embeddings.check_batch, embeddings.verify_options, embeddings.units, embeddings.open_block),
 }

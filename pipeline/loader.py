@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -109,14 +111,21 @@ class _Source:
     def first_id(self) -> np.ndarray:
         return np.concatenate(([0], np.cumsum(self.sizes)[:-1])).astype(np.int64)
 
+    @functools.cached_property
+    def _lists(self) -> tuple[list[int], list[list[int] | None]]:
+        # `bisect` on lists costs ~0.2 us a call, np.searchsorted on a scalar ~2 us: locate runs once per unit
+        return self.first_id.tolist(), [None if s is None else s.tolist() for s in self.unit_starts]
+
     def locate(self, unit_id: int, first_id: np.ndarray) -> tuple[int, int, int, int]:
-        """(shard, sample index, unit within the sample, units in the sample) of a unit id."""
-        shard = int(np.searchsorted(first_id, unit_id, side="right")) - 1
-        local, starts = unit_id - int(first_id[shard]), self.unit_starts[shard]
+        """(shard, sample index, unit within the sample, units in the sample) of a unit id (`first_id`
+        is this source's `first_id`)."""
+        first_ids, all_starts = self._lists
+        shard = bisect.bisect_right(first_ids, unit_id) - 1
+        local, starts = unit_id - first_ids[shard], all_starts[shard]
         if starts is None:
             return shard, local, 0, 1
-        index = int(np.searchsorted(starts, local, side="right")) - 1
-        return shard, index, local - int(starts[index]), int(starts[index + 1] - starts[index])
+        index = bisect.bisect_right(starts, local) - 1
+        return shard, index, local - starts[index], starts[index + 1] - starts[index]
 
 
 class _ShardStream(IterableDataset):

@@ -1,7 +1,8 @@
-"""`shard-pack`: pack datasets into shards (`sa1b`, `vqa`), and read them back (`inspect`, `verify`).
+"""`shard-pack`: pack datasets into shards (`sa1b`, `vqa`, `embeddings`), and read them back (`inspect`, `verify`).
 
-Exit codes: 0 done; 1 the data has problems (too many skipped inputs, `verify` findings);
-2 the command cannot run as asked (bad arguments, output folder holding something else).
+Exit codes: 0 done; 1 the data has problems (too many skipped inputs, embeddings input that fails
+its checks, `verify` findings); 2 the command cannot run as asked (bad arguments, output folder
+holding something else).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import re
 import sys
 from collections.abc import Sequence
 
-from pipeline.errors import ShardstreamError
+from pipeline.errors import InputError, ShardstreamError
 from pipeline.storage import read_manifest
+from shard_tools.embeddings import SCHEMA_NAME, pack_embeddings
 from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.verify import describe, verify
@@ -79,6 +81,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-skipped", type=int, default=10, help="fail when more records or images are bad (10)")
     p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
 
+    p = sub.add_parser("embeddings", help="pack a folder of row-aligned arrays (.npy/.safetensors) described by a schema",
+                       description="Check every array against the schema (lengths, NaN/Inf, declared ranges, "
+                       "references, splits), then pack blocks of rows; nothing is written if a check fails. Schema: "
+                       '{"fields": {"name": {"file": "name.npy", "tensor": "(in .safetensors)", "range": [low, high], '
+                       '"index_into": rows or "table.npy"}, ...}, "splits": {"train": "train_idx.npy", ...}}')
+    p.add_argument("source", metavar="DIR", help="folder of the arrays (and of schema.json)")
+    p.add_argument("out", metavar="OUT", help="output folder (new or empty, or an interrupted pack of the same input)")
+    p.add_argument("--schema", metavar="FILE", help=f"schema file (default: DIR/{SCHEMA_NAME})")
+    p.add_argument("--rows-per-block", type=int, help="rows per block (default: a power of two, blocks of at most 4 MiB)")
+    p.add_argument("--shard-samples", type=int, default=1000, help="at most this many blocks per shard (1000)")
+    p.add_argument("--shard-bytes", type=_size, default="1GiB", help="at most this much data per shard (1GiB)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
+    p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
+
     for name, text in (("inspect", "print a dataset's manifest summary"),
                        ("verify", "check every shard's checksum and decode every sample")):
         sub.add_parser(name, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
@@ -107,6 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for skip in summary.skip_list[:20]:
                 log.warning("skipped %s", skip["reason"])
             print("\n".join(summary.lines()))
+        elif args.command == "embeddings":
+            options = PackOptions(args.shard_samples, args.shard_bytes, None, args.workers, 0, args.dask)
+            summary = pack_embeddings(args.source, args.out, schema=args.schema, rows_per_block=args.rows_per_block,
+                                      options=options, progress=not args.quiet)
+            print("\n".join(summary.lines()))
         elif args.command == "inspect":
             print("\n".join(describe(read_manifest(args.out), args.out)))
         else:
@@ -115,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(problem)
             print(f"verify: {len(problems)} problems" if problems else "verify: OK")
             return 1 if problems else 0
-    except TooManySkipped as exc:
+    except (TooManySkipped, InputError) as exc:
         log.error("shard-pack: %s", exc)
         return 1
     except (PackError, ShardstreamError, ValueError, FileNotFoundError) as exc:

@@ -1,0 +1,370 @@
+"""Embeddings on the reading side: blocks of rows opened once, rows gathered into typed batches.
+
+A sample is a block of rows (`pipeline.format.pack_columns`); the loader opens it once per worker
+(`open_block`: zero-copy views, dtypes and shapes checked against the manifest's schema, declared
+ranges and references checked), `decode` returns a light (block, row) reference, and `collate`
+gathers a batch's rows block by block with numpy fancy indexing straight into one shared-memory
+buffer. `finish` cuts that buffer into one tensor per field (views, exact dtypes, bfloat16 included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import msgpack.exceptions
+import numpy as np
+import torch
+
+from pipeline.collate import empty
+from pipeline.errors import ManifestError, SampleError
+from pipeline.format import (
+    BFLOAT16, COLUMN_ALIGN, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, ShardInfo, storage_dtype,
+    unpack_columns,
+)
+
+__all__ = [
+    "Field", "EmbeddingsOptions", "Block", "options_from_manifests", "verify_options", "units", "open_block", "decode",
+    "collate", "finish", "check_batch", "TORCH_DTYPES", "value_problem",
+]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "uint16": torch.uint16,
+    "int32": torch.int32, "uint32": torch.uint32, "int64": torch.int64, "uint64": torch.uint64,
+    "float16": torch.float16, BFLOAT16: torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
+}
+_FLOATS = ("float16", BFLOAT16, "float32", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One field of the dataset: its dtype, its shape per row, and what its values may be."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()  # per row
+    range: tuple[float, float] | None = None  # declared, inclusive
+    bound: int | None = None  # the values index another table of `bound` rows: each in [0, bound)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name == EMB_ROW:
+            raise ValueError(f"field name must be an identifier other than {EMB_ROW!r}, got {self.name!r}")
+        if self.dtype not in COLUMN_DTYPES:
+            raise ValueError(f"field {self.name!r}: dtype {self.dtype!r} not allowed; allowed: {list(COLUMN_DTYPES)}")
+        if not isinstance(self.shape, tuple) or not all(type(d) is int and d >= 0 for d in self.shape):
+            raise ValueError(f"field {self.name!r}: shape must be a tuple of ints >= 0, got {self.shape!r}")
+        if self.range is not None and not (
+                isinstance(self.range, tuple) and len(self.range) == 2
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in self.range)
+                and self.range[0] <= self.range[1]):
+            raise ValueError(f"field {self.name!r}: range must be (low, high) finite numbers, low <= high; got {self.range!r}")
+        if self.bound is not None and (type(self.bound) is not int or self.bound < 1 or self.dtype in _FLOATS + ("bool",)):
+            raise ValueError(f"field {self.name!r}: a reference bound must be an int >= 1 on an integer field, "
+                             f"got {self.bound!r} on {self.dtype}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "range": None if self.range is None else list(self.range), "bound": self.bound}
+
+
+_ROW_FIELD = ("int64", ())
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingsOptions:
+    """How blocks are read: the dataset's schema (from the manifest) and the user's choices.
+
+    `fields` picks the fields batches hold (default: all; `row`, each row's index in the packed
+    input arrays, is always there). `take` is a per-epoch schedule (curriculum): for a field with
+    per-row shape (K, ...), the number of leading entries kept, e.g. `{"negative_embs": lambda
+    epoch: min(1 + epoch, 7)}`; an int is the same for every epoch. `check_values` checks every
+    opened block's floats for NaN/Inf (`shard-pack verify` does; declared ranges and references
+    are always checked)."""
+
+    schema: tuple[Field, ...]
+    rows: int  # rows of the packed input arrays: `row` values lie in [0, rows)
+    fields: tuple[str, ...] | None = None
+    take: Mapping[str, int | Callable[[int], int]] | tuple[tuple[str, Any], ...] = ()
+    check_values: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.schema or not all(isinstance(f, Field) for f in self.schema):
+            raise ValueError("schema must be a non-empty tuple of Field")
+        names = [f.name for f in self.schema]
+        if len(set(names)) != len(names):
+            raise ValueError(f"schema has duplicate field names: {names}")
+        if type(self.rows) is not int or self.rows < 1:
+            raise ValueError(f"rows must be an int >= 1, got {self.rows!r}")
+        if self.fields is not None:
+            fields = (self.fields,) if isinstance(self.fields, str) else tuple(self.fields)
+            unknown = [f for f in fields if f not in names]
+            if unknown or not fields or len(set(fields)) != len(fields):
+                raise ValueError(f"fields {list(fields)}: want distinct names among {names} (unknown: {unknown})")
+            object.__setattr__(self, "fields", fields)
+        take = tuple(sorted(dict(self.take).items()))  # picklable and hashable, whatever mapping was given
+        object.__setattr__(self, "take", take)
+        for name, value in take:
+            field = self.field(name) if name in names else None
+            if field is None or name not in self.selected:
+                raise ValueError(f"take: {name!r} is not a field batches hold ({list(self.selected)})")
+            if not field.shape:
+                raise ValueError(f"take: field {name!r} has no axis to take from (one value per row)")
+            if not callable(value):
+                self._take(name, value, 0)
+        if not isinstance(self.check_values, bool):
+            raise ValueError(f"check_values must be a bool, got {self.check_values!r}")
+
+    def field(self, name: str) -> Field:
+        return next(f for f in self.schema if f.name == name)
+
+    @property
+    def selected(self) -> tuple[str, ...]:
+        return self.fields if self.fields is not None else tuple(f.name for f in self.schema)
+
+    def _take(self, name: str, value: Any, epoch: int) -> int:
+        count = self.field(name).shape[0]
+        if type(value) is not int or not 0 <= value <= count:
+            raise ValueError(f"take[{name!r}] must be an int in [0, {count}] (or a function of the epoch giving one); "
+                             f"got {value!r} for epoch {epoch}")
+        return value
+
+    def takes(self, epoch: int) -> dict[str, int]:
+        """The leading entries each scheduled field keeps in `epoch`."""
+        return {name: self._take(name, value(epoch) if callable(value) else value, epoch) for name, value in self.take}
+
+    def layout(self, epoch: int) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """(name, dtype, shape per row) of each field of a batch in `epoch`, `row` first."""
+        takes = self.takes(epoch)
+        out = [(EMB_ROW, *_ROW_FIELD)]
+        for name in self.selected:
+            field = self.field(name)
+            shape = (takes[name], *field.shape[1:]) if name in takes else field.shape
+            out.append((name, field.dtype, shape))
+        return tuple(out)
+
+
+def _parse_field(obj: Any, url: str) -> Field:
+    try:
+        rng = obj["range"]
+        return Field(obj["name"], obj["dtype"], tuple(obj["shape"]), None if rng is None else tuple(rng), obj["bound"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(url, f"invalid embeddings field entry {obj!r}: {exc}"[:300]) from exc
+
+
+def _schema(manifest: Manifest, url: str) -> tuple[tuple[Field, ...], int]:
+    kind_options = manifest.options.get("kind_options") if isinstance(manifest.options, Mapping) else None
+    if not isinstance(kind_options, Mapping) or not isinstance(kind_options.get("fields"), list) \
+            or type(kind_options.get("rows")) is not int:
+        raise ManifestError(url, "embeddings manifest without kind_options.fields and kind_options.rows")
+    return tuple(_parse_field(f, url) for f in kind_options["fields"]), kind_options["rows"]
+
+
+def _merge(a: Field, b: Field) -> Field:
+    """One field of two datasets being mixed: the same dtype and shape; the looser declared limits."""
+    if (a.dtype, a.shape) != (b.dtype, b.shape):
+        raise ValueError(f"cannot mix datasets whose field {a.name!r} differs: {a.dtype}{list(a.shape)} vs "
+                         f"{b.dtype}{list(b.shape)}")
+    rng = None if a.range is None or b.range is None else (min(a.range[0], b.range[0]), max(a.range[1], b.range[1]))
+    bound = None if a.bound is None or b.bound is None else max(a.bound, b.bound)
+    return Field(a.name, a.dtype, a.shape, rng, bound)
+
+
+def options_from_manifests(manifests: Sequence[Manifest], **options: Any) -> EmbeddingsOptions:
+    """The options of one dataset, or of several mixed (same fields, dtypes and shapes required)."""
+    url = "manifest.json"
+    schema, rows = _schema(manifests[0], url)
+    for manifest in manifests[1:]:
+        other, other_rows = _schema(manifest, url)
+        if [f.name for f in other] != [f.name for f in schema]:
+            raise ValueError(f"cannot mix datasets with fields {[f.name for f in schema]} and {[f.name for f in other]}")
+        schema, rows = tuple(_merge(a, b) for a, b in zip(schema, other)), max(rows, other_rows)
+    return EmbeddingsOptions(schema, rows, **options)
+
+
+def verify_options(manifest: Manifest) -> EmbeddingsOptions:
+    """Options that read and check every field of every row (`shard-pack verify`)."""
+    schema, rows = _schema(manifest, "manifest.json")
+    return EmbeddingsOptions(schema, rows, check_values=True)
+
+
+def units(shard: ShardInfo, options: EmbeddingsOptions) -> np.ndarray | None:
+    return None if shard.units is None else np.asarray(shard.units, dtype=np.int64)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Block:
+    """An opened block: read-only views of its columns (the selected fields and `row`)."""
+
+    url: str
+    key: str
+    rows: int
+    columns: Mapping[str, np.ndarray]
+
+
+class _Row(NamedTuple):
+    """What `decode` returns: a row of an opened block, and the epoch its batch is for."""
+
+    block: Block
+    unit: int
+    epoch: int
+
+
+def value_problem(values: np.ndarray, dtype: str, field: Field, finite: bool) -> tuple[int, str, str] | None:
+    """(row, value, what is wrong) of the first row of `values` (rows first) that breaks the field's
+    declared limits, or holds NaN/Inf with `finite`; None if all hold. bfloat16 comes as bit patterns."""
+    if values.size == 0:
+        return None
+    flat = values.reshape(len(values), -1)
+    numbers = (flat.astype(np.uint32) << 16).view(np.float32) if dtype == BFLOAT16 else flat
+    checks = []
+    if finite and dtype in _FLOATS:
+        checks.append((~np.isfinite(numbers), "NaN or infinite"))
+    if field.range is not None:
+        low, high = field.range
+        checks.append(((numbers < low) | (numbers > high), f"outside the declared range [{low}, {high}]"))
+    if field.bound is not None:
+        checks.append(((numbers < 0) | (numbers >= field.bound),
+                       f"a reference outside [0, {field.bound}) (the referenced table's rows)"))
+    for bad, what in checks:
+        rows = bad.any(axis=1)
+        if rows.any():
+            row = int(rows.argmax())
+            column = int(bad[row].argmax())
+            value = numbers[row, column]
+            shown = repr(float(value)) if dtype in _FLOATS else str(int(value))
+            if values.ndim > 1:
+                shown += f" at {[int(i) for i in np.unravel_index(column, values.shape[1:])]}"
+            return row, shown, what
+    return None
+
+
+def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: str, key: str) -> Block:
+    """A block's columns as views, after checking them against the schema (fields, dtypes, shapes,
+    declared ranges and references; NaN/Inf too with `check_values`)."""
+    if set(members) != {EMB_TABLE, EMB_DATA}:
+        raise SampleError(url, key, None, f"members {sorted(members)}, expected {sorted([EMB_TABLE, EMB_DATA])}")
+    try:
+        columns = unpack_columns(members[EMB_TABLE], members[EMB_DATA])
+    except (ValueError, msgpack.exceptions.UnpackException) as exc:
+        raise SampleError(url, key, EMB_TABLE, f"invalid column table: {exc}") from exc
+    expected = [EMB_ROW] + [f.name for f in options.schema]
+    if list(columns) != expected:
+        raise SampleError(url, key, None, f"columns {list(columns)}, expected {expected}")
+    dtype, rows = columns[EMB_ROW]
+    n = len(rows)
+    if n < 1 or dtype != "int64" or rows.ndim != 1:
+        raise SampleError(url, key, EMB_ROW, f"want int64 row indices of at least one row, got {dtype}{list(rows.shape)}")
+    if rows.min() < 0 or rows.max() >= options.rows:
+        raise SampleError(url, key, EMB_ROW, f"row indices outside [0, {options.rows})")
+    kept = {EMB_ROW: rows}
+    for field in options.schema:
+        dtype, values = columns[field.name]
+        if dtype != field.dtype or values.shape[1:] != field.shape:
+            raise SampleError(url, key, field.name, f"{dtype}{list(values.shape[1:])} per row, the manifest says "
+                              f"{field.dtype}{list(field.shape)}")
+        if field.range is not None or field.bound is not None or (options.check_values and field.dtype in _FLOATS):
+            problem = value_problem(values, dtype, field, options.check_values)
+            if problem is not None:
+                row, value, what = problem
+                raise SampleError(url, key, field.name, f"row {int(rows[row])}: value {value}: {what}")
+        if field.name in options.selected:
+            kept[field.name] = values
+    return Block(url, key, n, kept)
+
+
+def decode(block: Block, options: EmbeddingsOptions, *, unit: int, seed: int, epoch: int, url: str, key: str) -> _Row:
+    """A reference to one row: `collate` gathers the batch's rows block by block."""
+    if not 0 <= unit < block.rows:
+        raise SampleError(url, key, None, f"row {unit} of a block of {block.rows} rows (the manifest says more)")
+    return _Row(block, unit, epoch)
+
+
+def _offsets(layout: Sequence[tuple[str, str, tuple[int, ...]]], batch: int) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for _, dtype, shape in layout:
+        start = -(-end // COLUMN_ALIGN) * COLUMN_ALIGN
+        offsets.append(start)
+        end = start + batch * math.prod(shape) * storage_dtype(dtype).itemsize
+    return offsets, end
+
+
+def collate(rows: Sequence[_Row], options: EmbeddingsOptions) -> dict[str, Any]:
+    """The batch in transit: one shared-memory byte buffer holding every field, and its layout.
+
+    Rows keep the plan's order; each block's rows are gathered with one fancy index per field."""
+    b, epoch = len(rows), rows[0].epoch
+    layout = options.layout(epoch)
+    blocks, units, _ = zip(*rows)
+    labels: dict[int, int] = {}
+    label = np.array([labels.setdefault(id(block), len(labels)) for block in blocks])
+    picked = np.array(units)
+    if len(labels) == 1:
+        groups = [(blocks[0], slice(None), picked)]
+    else:
+        order = np.argsort(label, kind="stable")
+        groups = [(blocks[int(p[0])], p, picked[p]) for p in np.split(order, np.flatnonzero(np.diff(label[order])) + 1)]
+    offsets, total = _offsets(layout, b)
+    buffer = empty((total,), torch.uint8)
+    flat = buffer.numpy()
+    shipped = []
+    for (name, dtype, shape), offset in zip(layout, offsets):
+        size = b * math.prod(shape) * storage_dtype(dtype).itemsize
+        out = flat[offset : offset + size].view(storage_dtype(dtype)).reshape(b, *shape)
+        for block, positions, chosen in groups:
+            source = block.columns[name]
+            if shape[:1] != source.shape[1:2]:  # a scheduled `take`
+                source = source[:, : shape[0]]
+            if len(groups) == 1:  # mode="clip": take's fast path (with "raise" it buffers `out`); indices are checked
+                np.take(source, chosen, axis=0, out=out, mode="clip")
+            else:
+                out[positions] = source[chosen]
+        shipped.append((name, dtype, (b, *shape), offset))
+    return {"buffer": buffer, "layout": tuple(shipped)}
+
+
+def finish(batch: dict[str, Any], options: EmbeddingsOptions) -> dict[str, torch.Tensor]:
+    """The batch users get: {field: tensor (B, ...)} in its exact dtype, views of the transit buffer
+    on whatever device it was moved to."""
+    buffer = batch["buffer"]
+    out = {}
+    for name, dtype, shape, offset in batch["layout"]:
+        size = math.prod(shape) * storage_dtype(dtype).itemsize
+        out[name] = buffer[offset : offset + size].view(TORCH_DTYPES[dtype]).view(shape)
+    return out
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()
+
+
+def check_batch(batch: dict[str, Any], options: EmbeddingsOptions, epoch: int) -> list[str]:
+    """What is wrong with a batch (empty if nothing): keys, dtypes, shapes, NaN/Inf, declared
+    ranges and references, row indices."""
+    layout = options.layout(epoch)
+    expected = {name for name, _, _ in layout}
+    if set(batch) != expected:
+        return [f"keys {sorted(batch)}, expected {sorted(expected)}"]
+    b = len(batch[EMB_ROW]) if isinstance(batch[EMB_ROW], torch.Tensor) and batch[EMB_ROW].dim() == 1 else -1
+    problems = []
+    for name, dtype, shape in layout:
+        value = batch[name]
+        if not isinstance(value, torch.Tensor) or value.dtype != TORCH_DTYPES[dtype]:
+            problems.append(f"{name}: {getattr(value, 'dtype', type(value).__name__)}, expected {TORCH_DTYPES[dtype]}")
+        elif tuple(value.shape) != (b, *shape):
+            problems.append(f"{name}: shape {tuple(value.shape)}, expected {(b, *shape)}")
+    if problems:
+        return problems
+    rows = _numpy(batch[EMB_ROW])
+    if rows.size and (rows.min() < 0 or rows.max() >= options.rows):
+        problems.append(f"{EMB_ROW}: indices outside [0, {options.rows})")
+    if len(np.unique(rows)) != len(rows):
+        problems.append(f"{EMB_ROW}: a row appears twice in the batch")
+    for name, dtype, _ in layout[1:]:
+        problem = value_problem(_numpy(batch[name]), dtype, options.field(name), finite=True)
+        if problem is not None:
+            row, value, what = problem
+            problems.append(f"{name}: row {int(rows[row])}: value {value}: {what}")
+    return problems

@@ -1,0 +1,435 @@
+"""Embeddings on the packing side: a folder of row-aligned arrays -> blocks of rows.
+
+`EmbeddingsSource.load(DIR)` reads the schema (`DIR/schema.json` by default), opens every array
+without copying it (`.npy` memory-mapped with `allow_pickle=False`; `.safetensors` parsed here:
+an 8-byte little-endian header length, a JSON header, raw data; BF16 included) and checks
+everything before a shard is written: lengths agree, floats are finite, declared ranges and
+references hold, splits are disjoint row indices. Pickle-based files (`.pt`, `.pth`, ...) are
+refused. A block is `rows_per_block` consecutive rows of a split (in row order), written as one
+sample of typed columns (`pipeline.format.pack_columns`) with the rows' indices as column `row`.
+
+Schema (unknown keys are errors; paths are relative to DIR):
+
+    {"fields": {"question_emb": {"file": "question_emb.npy"},
+                "negative_embs": {"file": "embs.safetensors", "tensor": "negatives"},
+                "relevance": {"file": "relevance.npy", "range": [0, 1]},
+                "cluster_id": {"file": "cluster_id.npy", "index_into": 512},
+                "source_row": {"file": "pair_source.npy", "index_into": "sources.npy"}},
+     "splits": {"train": "train_idx.npy", "val": {"file": "splits.safetensors", "tensor": "val"}}}
+
+`range` is inclusive; `index_into` makes the field a reference into another table of that many
+rows (a number, or an array whose length is the count). Without `splits`, every row is `train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pipeline.embeddings import Field, value_problem
+from pipeline.errors import InputError, RowError
+from pipeline.format import BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
+from pipeline.tario import ReadLimits
+from shard_tools.pack import PackOptions, PackSummary, Part, SampleRef, pack
+
+__all__ = ["EmbeddingsSource", "SourceField", "SourceSplit", "open_array", "pack_embeddings", "SCHEMA_NAME"]
+
+log = logging.getLogger(__name__)
+SCHEMA_NAME = "schema.json"
+BLOCK_BYTES = 4 << 20  # the default block: the most rows, a power of two, within this many bytes
+MAX_BLOCK_ROWS = 1 << 16
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own cap
+_CHECK_BYTES = 64 << 20  # values are checked this much at a time
+_SCHEMA_KEYS = {"fields", "splits"}
+_FIELD_KEYS = {"file", "tensor", "range", "index_into"}
+_ARRAY_KEYS = {"file", "tensor"}
+_INTEGERS = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
+_SAFETENSORS_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
+    "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": BFLOAT16, "F32": "float32", "F64": "float64",
+}
+_PICKLED = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin", ".joblib")
+_PICKLE_HELP = ("loading it would run pickle, which can execute arbitrary code, so shard-pack never does. Save "
+                "the tensor as .safetensors (safetensors.torch.save_file({'name': tensor}, 'x.safetensors'); keeps "
+                "bfloat16) or .npy (numpy.save('x.npy', tensor.numpy()))")
+
+
+# -- arrays --------------------------------------------------------------------------------------
+
+def _safetensors(path: str, tensor: str | None, url: str) -> tuple[np.ndarray, str]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= length <= min(MAX_SAFETENSORS_HEADER, size - 8):
+            raise InputError(url, f"not a safetensors file: header length {length} for a file of {size} bytes")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise InputError(url, f"not a safetensors file: the header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise InputError(url, "not a safetensors file: the header is not a JSON object")
+    header.pop("__metadata__", None)
+    if tensor is None:
+        if len(header) != 1:
+            raise InputError(url, f"holds tensors {sorted(header)}: name one with \"tensor\" in the schema")
+        (tensor,) = header
+    entry = header.get(tensor)
+    if entry is None:
+        raise InputError(url, f"no tensor {tensor!r}; the file holds {sorted(header)}")
+    data_size = size - 8 - length
+    try:
+        ok = set(entry) == {"dtype", "shape", "data_offsets"} and entry["dtype"] in _SAFETENSORS_DTYPES
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]] if ok else ""
+        shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
+        ok = ok and all(type(d) is int and d >= 0 for d in shape) and type(begin) is int and type(end) is int \
+            and 0 <= begin <= end <= data_size and end - begin == math.prod(shape) * storage_dtype(dtype).itemsize
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InputError(url, f"tensor {tensor!r}: invalid header entry {entry!r}"[:300]) from exc
+    if not ok:
+        raise InputError(url, f"tensor {tensor!r}: invalid or unsupported header entry {entry!r} (dtypes: "
+                         f"{sorted(_SAFETENSORS_DTYPES)})"[:400])
+    if end == begin:
+        return np.zeros(shape, storage_dtype(dtype)), dtype
+    return np.memmap(path, storage_dtype(dtype), "r", offset=8 + length + begin, shape=shape), dtype
+
+
+def _npy(path: str, url: str) -> tuple[np.ndarray, str]:
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            raise InputError(url, f"not a .npy file (no NPY magic); if it is a pickle, {_PICKLE_HELP}")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as exc:
+        if "pickle" in str(exc) or "object" in str(exc).lower():
+            raise InputError(url, f"holds Python objects, which only pickle can read: {_PICKLE_HELP}") from exc
+        raise InputError(url, f"cannot read .npy: {exc}") from exc
+    except OSError as exc:
+        raise InputError(url, f"cannot read .npy: {exc}") from exc
+    dtype = array.dtype
+    name = dtype.name if dtype.kind in "biuf" and dtype.fields is None else ""
+    if name not in COLUMN_DTYPES or name == BFLOAT16:
+        raise InputError(url, f"dtype {dtype} is not supported (bool, ints, uints, float16/32/64; bfloat16 via .safetensors)")
+    return array, name
+
+
+def open_array(path: str, tensor: str | None = None, url: str | None = None) -> tuple[np.ndarray, str]:
+    """(array, dtype name) of an input file, memory-mapped, never through pickle. A bfloat16 array
+    comes as its uint16 bit patterns. Raises InputError naming the file (`url`) and why."""
+    url = url or path
+    ext = os.path.splitext(path)[1].lower()
+    if ext in _PICKLED:
+        raise InputError(url, f"{ext} files are pickle archives: {_PICKLE_HELP}")
+    if ext not in (".npy", ".safetensors"):
+        raise InputError(url, "unsupported file type: arrays are read from .npy or .safetensors files")
+    if not os.path.isfile(path):
+        raise InputError(url, "no such file")
+    if ext == ".npy":
+        if tensor is not None:
+            raise InputError(url, f"a .npy file holds one array: drop \"tensor\": {tensor!r} from the schema")
+        return _npy(path, url)
+    return _safetensors(path, tensor, url)
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=64)
+def _mapped_at(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tuple[np.ndarray, str]:
+    return open_array(path, tensor)
+
+
+def _mapped(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tuple[np.ndarray, str]:
+    """The array as it was checked: a file replaced or rewritten since then is an error, not data."""
+    if _stamp(path) != stamp:
+        raise InputError(path, "changed since it was checked; run shard-pack again")
+    return _mapped_at(path, tensor, stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _split_rows(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> np.ndarray:
+    return np.sort(np.asarray(_mapped(path, tensor, stamp)[0], dtype=np.int64))
+
+
+# -- schema --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SourceField:
+    """A field as packed: where its array is, what the schema declares, and the file's SHA-256."""
+
+    field: Field
+    file: str  # as the schema names it, relative to the folder
+    tensor: str | None
+    sha256: str
+    index_into: int | str | dict[str, Any] | None = None  # as the schema states it
+    stamp: tuple[int, int, int] = (0, 0, 0)  # (inode, size, mtime) when checked: encode refuses a changed file
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSplit:
+    name: str
+    file: str | None  # None: every row (a schema without splits)
+    tensor: str | None
+    rows: int
+    sha256: str | None
+    stamp: tuple[int, int, int] = (0, 0, 0)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _array_ref(value: Any, url: str, where: str) -> tuple[str, str | None]:
+    """(file, tensor) of a schema entry naming an array: "file" or {"file": ..., "tensor": ...}."""
+    if isinstance(value, str):
+        return value, None
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - _ARRAY_KEYS)
+        if unknown:
+            raise InputError(url, f"{where}: unknown key(s) {unknown}; allowed: {sorted(_ARRAY_KEYS)}")
+        if isinstance(value.get("file"), str) and isinstance(value.get("tensor"), (str, type(None))):
+            return value["file"], value.get("tensor")
+    raise InputError(url, f"{where}: want a file name or {{\"file\": ..., \"tensor\": ...}}, got {value!r}"[:300])
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingsSource:
+    """A validated folder of arrays (see the module docstring); `load` builds it, `pack` writes it."""
+
+    root: str
+    fields: tuple[SourceField, ...]
+    splits: tuple[SourceSplit, ...]
+    rows: int
+    rows_per_block: int
+    unassigned: int = 0  # rows in no split (not packed)
+    kind: str = dataclasses.field(default="embeddings", init=False)
+
+    @classmethod
+    def load(cls, root: str, schema: str | None = None, rows_per_block: int | None = None) -> EmbeddingsSource:
+        """Read the schema and check every array and split; raises InputError (RowError for a bad
+        value: file, field, row and value) before anything is written."""
+        if rows_per_block is not None and (type(rows_per_block) is not int or rows_per_block < 1):
+            raise ValueError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
+        root = os.path.abspath(root)
+        schema_path = schema or os.path.join(root, SCHEMA_NAME)
+        if not os.path.isdir(root):
+            raise InputError(root, "not a folder")
+        try:
+            with open(schema_path, "rb") as f:
+                spec = json.loads(f.read())
+        except FileNotFoundError as exc:
+            raise InputError(schema_path, "no schema file: write one (see `shard-pack embeddings --help`) or pass "
+                             "--schema") from exc
+        except ValueError as exc:
+            raise InputError(schema_path, f"not valid JSON: {exc}") from exc
+        if not isinstance(spec, dict) or not isinstance(spec.get("fields"), dict) or not spec["fields"]:
+            raise InputError(schema_path, "want a JSON object with a non-empty \"fields\" object")
+        unknown = sorted(set(spec) - _SCHEMA_KEYS)
+        if unknown:
+            raise InputError(schema_path, f"unknown key(s) {unknown}; allowed: {sorted(_SCHEMA_KEYS)}")
+
+        def path(file: str) -> str:
+            return os.path.join(root, file)
+
+        entries, arrays, stamps = [], {}, {}
+        for name, entry in spec["fields"].items():
+            where = f"field {name!r}"
+            if not name.isidentifier() or name == EMB_ROW or len(name) > 64:
+                raise InputError(schema_path, f"{where}: names are identifiers of at most 64 characters, not {EMB_ROW!r}")
+            if not isinstance(entry, dict):
+                raise InputError(schema_path, f"{where}: want an object with \"file\", got {entry!r}"[:300])
+            unknown = sorted(set(entry) - _FIELD_KEYS)
+            if unknown:
+                raise InputError(schema_path, f"{where}: unknown key(s) {unknown}; allowed: {sorted(_FIELD_KEYS)}")
+            file, tensor = _array_ref({k: entry[k] for k in _ARRAY_KEYS if k in entry}, schema_path, where)
+            rng = entry.get("range")
+            if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(map(_number, rng)) and rng[0] <= rng[1]):
+                raise InputError(schema_path, f"{where}: range must be [low, high] (finite numbers, low <= high), got {rng!r}")
+            stamps[name] = _stamp(path(file)) if os.path.isfile(path(file)) else (0, 0, 0)
+            arrays[name] = open_array(path(file), tensor, file)
+            entries.append((name, file, tensor, rng, entry.get("index_into")))
+
+        lengths = {name: len(array) if array.ndim else -1 for name, (array, _) in arrays.items()}
+        if any(n < 0 for n in lengths.values()):
+            raise InputError(schema_path, f"fields must be arrays with a row axis; scalars: "
+                             f"{[n for n, m in lengths.items() if m < 0]}")
+        if len(set(lengths.values())) != 1:
+            listing = ", ".join(f"{e[1]} ({e[0]}): {lengths[e[0]]}" for e in entries)
+            raise InputError(schema_path, f"fields disagree on their number of rows: {listing}")
+        rows = next(iter(lengths.values()))
+        if rows == 0:
+            raise InputError(schema_path, "the arrays have no rows")
+
+        fields, problems = [], []
+        for name, file, tensor, rng, index_into in entries:
+            array, dtype = arrays[name]
+            bound = None
+            if index_into is not None:
+                if dtype not in _INTEGERS:
+                    raise InputError(file, f"field {name!r} has \"index_into\" but dtype {dtype}; references are integers")
+                if type(index_into) is int and index_into >= 1:
+                    bound = index_into
+                else:
+                    table, table_tensor = _array_ref(index_into, schema_path, f"{name}.index_into")
+                    table_array = open_array(path(table), table_tensor, table)[0]
+                    bound = len(table_array) if table_array.ndim else 0
+                    if bound < 1:
+                        raise InputError(table, f"referenced by field {name!r}, but holds no rows")
+            field = Field(name, dtype, tuple(array.shape[1:]), None if rng is None else tuple(rng), bound)
+            problem = _check_values(array, field, file)
+            if problem is not None:
+                problems.append(problem)
+            fields.append(SourceField(field, file, tensor, _sha256(path(file)), index_into, stamps[name]))
+
+        splits_spec = spec.get("splits")
+        splits, assigned = [], np.zeros(rows, dtype=np.bool_)
+        if splits_spec is not None and (not isinstance(splits_spec, dict) or not splits_spec):
+            raise InputError(schema_path, f"splits: want an object of split name -> index file, got {splits_spec!r}"[:300])
+        for name, value in (splits_spec or {}).items():
+            if not name.isidentifier() or len(name) > 40:
+                raise InputError(schema_path, f"split {name!r}: names are identifiers of at most 40 characters")
+            file, tensor = _array_ref(value, schema_path, f"split {name!r}")
+            stamp = _stamp(path(file)) if os.path.isfile(path(file)) else (0, 0, 0)
+            index, dtype = open_array(path(file), tensor, file)
+            if dtype not in _INTEGERS or index.ndim != 1:
+                raise InputError(file, f"split {name!r}: want a 1-D array of integer row indices, got {dtype}{list(index.shape)}")
+            problem = _check_split(np.asarray(index), name, file, rows, assigned)
+            if problem is not None:
+                problems.append(problem)
+            splits.append(SourceSplit(name, file, tensor, len(index), _sha256(path(file)), stamp))
+        if problems:
+            if len(problems) == 1:
+                raise problems[0]
+            raise InputError(schema_path, f"{len(problems)} problems; nothing was written:\n  "
+                             + "\n  ".join(str(p) for p in problems)) from problems[0]
+        if not splits:
+            splits, assigned[:] = [SourceSplit("train", None, None, rows, None)], True
+
+        row_bytes = sum(math.prod(f.field.shape) * storage_dtype(f.field.dtype).itemsize for f in fields) + 8
+        if rows_per_block is None:
+            rows_per_block = min(MAX_BLOCK_ROWS, 1 << max(0, (BLOCK_BYTES // row_bytes).bit_length() - 1))
+        if rows_per_block * row_bytes > ReadLimits.max_member_bytes - 4096:
+            raise ValueError(f"rows_per_block={rows_per_block} makes blocks of {rows_per_block * row_bytes} bytes, more "
+                             f"than a reader accepts ({ReadLimits.max_member_bytes}); use fewer rows per block")
+        unassigned = int(rows - assigned.sum())
+        if unassigned:
+            log.warning("%d of %d rows are in no split and are not packed", unassigned, rows)
+        return cls(root, tuple(fields), tuple(splits), rows, rows_per_block, unassigned)
+
+    # -- the pack driver's interface -------------------------------------------------------------
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "rows_per_block": self.rows_per_block,
+            "unassigned_rows": self.unassigned,
+            "fields": [{**f.field.to_json(), "file": f.file, "tensor": f.tensor, "index_into": f.index_into,
+                        "sha256": f.sha256} for f in self.fields],
+            "splits": [{"name": s.name, "file": s.file, "tensor": s.tensor, "rows": s.rows, "sha256": s.sha256}
+                       for s in self.splits],
+        }
+
+    def _rows(self, split: SourceSplit) -> np.ndarray:
+        if split.file is None:
+            return np.arange(self.rows, dtype=np.int64)
+        return _split_rows(os.path.join(self.root, split.file), split.tensor, split.stamp)
+
+    def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
+        """One sample per block of each split: `rows_per_block` rows, in row order."""
+        if [os.path.abspath(s) for s in sources] != [self.root]:
+            raise ValueError(f"this source packs {self.root}, not {list(sources)}")
+        refs = []
+        for split in self.splits:
+            rows = self._rows(split)
+            for block, start in enumerate(range(0, len(rows), self.rows_per_block)):
+                chunk = rows[start : start + self.rows_per_block]
+                first, last = int(chunk[0]), int(chunk[-1])
+                parts = []  # each field's rows: from the first row's byte offset, as many bytes as the rows hold
+                for f in self.fields:
+                    path = os.path.join(self.root, f.file)
+                    row_bytes = math.prod(f.field.shape) * storage_dtype(f.field.dtype).itemsize
+                    offset = getattr(_mapped(path, f.tensor, f.stamp)[0], "offset", 0) + first * row_bytes
+                    parts.append((f.field.name, Part(path, offset, len(chunk) * row_bytes, f"{f.file}[rows {first}..{last}]")))
+                refs.append(SampleRef(f"{split.name}-{block:06d}", tuple(parts), split.name, len(chunk)))
+        return refs, []
+
+    def encode(self, ref: SampleRef) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
+        """The block's columns: `row` (the rows' indices), then each field's rows in its exact dtype."""
+        split_name, _, number = ref.key.rpartition("-")
+        split = next(s for s in self.splits if s.name == split_name)
+        start = int(number) * self.rows_per_block
+        rows = self._rows(split)[start : start + self.rows_per_block]
+        contiguous = int(rows[-1]) - int(rows[0]) + 1 == len(rows)
+        columns = [(EMB_ROW, "int64", rows)]
+        for f in self.fields:
+            array, dtype = _mapped(os.path.join(self.root, f.file), f.tensor, f.stamp)
+            values = array[int(rows[0]) : int(rows[-1]) + 1] if contiguous else array[rows]
+            columns.append((f.field.name, dtype, np.asarray(values, dtype=storage_dtype(dtype))))
+        table, data = pack_columns(columns)
+        return [(EMB_TABLE, table), (EMB_DATA, data)], {"rows": len(rows)}
+
+
+def _check_values(array: np.ndarray, field: Field, file: str) -> RowError | None:
+    """The first row breaking the field's limits (NaN/Inf, declared range, reference bound), if any."""
+    row_bytes = max(1, math.prod(field.shape) * array.dtype.itemsize)
+    step = max(1, _CHECK_BYTES // row_bytes)
+    for start in range(0, len(array), step):
+        chunk = np.asarray(array[start : start + step])
+        if chunk.dtype.byteorder == ">":
+            chunk = chunk.astype(chunk.dtype.newbyteorder("<"))
+        problem = value_problem(chunk, field.dtype, field, finite=True)
+        if problem is not None:
+            row, value, what = problem
+            return RowError(file, field.name, start + row, value, what)
+    return None
+
+
+def _check_split(index: np.ndarray, name: str, file: str, rows: int, assigned: np.ndarray) -> RowError | None:
+    """Split indices must be rows of the arrays, each once, in no other split; marks them in `assigned`."""
+    field = f"splits.{name}"
+    bad = np.flatnonzero((index < 0) | (index >= rows))
+    if bad.size:
+        return RowError(file, field, int(bad[0]), str(int(index[bad[0]])), f"not a row index in [0, {rows})")
+    if not index.size:
+        return RowError(file, field, 0, "none", "the split is empty")
+    index = index.astype(np.int64)
+    order = np.argsort(index, kind="stable")
+    repeats = np.flatnonzero(np.diff(index[order]) == 0)
+    if repeats.size:
+        position = int(order[repeats[0] + 1])
+        return RowError(file, field, position, str(int(index[position])), "this row is listed twice in the split")
+    taken = np.flatnonzero(assigned[index])
+    if taken.size:
+        return RowError(file, field, int(taken[0]), str(int(index[taken[0]])), "this row is in an earlier split too")
+    assigned[index] = True
+    return None
+
+
+def pack_embeddings(root: str, out: str, *, schema: str | None = None, rows_per_block: int | None = None,
+                    options: PackOptions | None = None, progress: bool = True) -> PackSummary:
+    """Check the arrays of folder `root` against their schema, then pack them into blocks at `out`.
+    `options.splits` must be None: the schema's split index files say which rows go where."""
+    options = options or PackOptions(splits=None)
+    if options.splits is not None:
+        raise ValueError("embeddings take their splits from the schema's index files: use PackOptions(splits=None)")
+    source = EmbeddingsSource.load(root, schema, rows_per_block)
+    return pack(source, [source.root], out, options, progress=progress)
