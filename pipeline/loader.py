@@ -246,7 +246,11 @@ class _ShardStream(IterableDataset):
                 if not samples:
                     raise ShardError(self.sources[0].root, f"all {len(units)} samples of batch {batch} failed; ranks cannot stay in step")
                 yield self.kind.collate(samples, self.options)
+                if i == 0:
+                    for reader in readers:
+                        reader.start_downloads()
             for reader in readers:
+                reader.start_downloads()  # (an iteration of no batch)
                 reader.settle()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)

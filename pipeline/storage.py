@@ -118,17 +118,18 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     return fs, path
 
 
-_SESSION: list[Any] = [None, None]  # (pid, aiobotocore session)
+_SESSION: list[Any] = []  # the process's aiobotocore session
 
 
 def _botocore_session() -> Any:
-    """One botocore session per process: its parsed service models make later clients ~3x faster to
-    create, in forked DataLoader workers too (a session holds no connection; clients are per filesystem)."""
-    if _SESSION[0] != os.getpid():
+    """One botocore session per process, inherited by forked DataLoader workers: its parsed service
+    models make their clients ~3x faster to create. A session holds no connection or event loop
+    (those belong to each filesystem's client), so sharing it across fork is safe."""
+    if not _SESSION:
         from aiobotocore.session import AioSession
 
-        _SESSION[:] = [os.getpid(), AioSession()]
-    return _SESSION[1]
+        _SESSION.append(AioSession())
+    return _SESSION[0]
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -316,6 +317,8 @@ class ShardReader:
         self.fs, self.base = filesystem(root, storage_options)
         self.cache = None if is_local(self.fs) else cache  # local shards are read in place
         self._downloads: dict[str, concurrent.futures.Future[str]] = {}
+        self._waiting: dict[str, tuple[str, str, int, str]] = {}  # wanted before `start_downloads`
+        self._started = False
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -342,10 +345,21 @@ class ShardReader:
             self._download(name, url, path, size, sha256)
         return read_range(self.fs, path, url, start, end, key, self.retry)
 
+    def start_downloads(self) -> None:
+        """Let background downloads begin (after the first batch: they would slow it down)."""
+        with self._lock:
+            self._started, waiting = True, list(self._waiting.items())
+            self._waiting.clear()
+        for name, args in waiting:
+            self._download(name, *args)
+
     def _download(self, name: str, url: str, path: str, size: int, sha256: str) -> None:
         assert self.cache is not None
         cache = self.cache
         with self._lock:
+            if not self._started:
+                self._waiting[name] = (url, path, size, sha256)
+                return
             running = self._downloads.get(name)
             if running is not None and not running.done():
                 return
