@@ -39,7 +39,7 @@ from pipeline.format import MANIFEST_NAME, Manifest
 
 __all__ = [
     "MAX_MANIFEST_BYTES", "PIECE_BYTES", "Retry", "ShardCache", "ShardReader", "join", "filesystem", "is_local", "read_manifest",
-    "read_range", "with_retries", "write_bytes",
+    "read_range", "sha256_file", "with_retries", "write_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError), open(path + ".ok") as f:
                 if f.read() == stamp:
                     return path
-            digest = _sha256(path)
+            digest = sha256_file(path)
         except FileNotFoundError:  # not cached, or removed meanwhile (evicted, or found corrupt by another reader)
             return None
         if digest == sha256:
@@ -263,7 +263,7 @@ class ShardCache:
             try:
                 with open(partial, "wb") as f:
                     fetch(f)
-                digest = _sha256(partial)
+                digest = sha256_file(partial)
                 if digest != sha256:
                     raise ShardError(url, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
                 self._make_room(size)
@@ -296,7 +296,8 @@ class ShardCache:
                 log.debug("evicted %s (%d bytes) from the cache", name, bytes_)
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """The SHA-256 of a local file, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 22):

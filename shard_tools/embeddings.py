@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -38,6 +37,7 @@ import numpy as np
 from pipeline.embeddings import Field, value_problem
 from pipeline.errors import InputError, RowError
 from pipeline.format import BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
+from pipeline.storage import sha256_file
 from pipeline.tario import ReadLimits
 from shard_tools.pack import PackOptions, PackSummary, Part, SampleRef, pack
 
@@ -186,14 +186,6 @@ class SourceSplit:
     stamp: tuple[int, int, int] = (0, 0, 0)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _array_ref(value: Any, url: str, where: str) -> tuple[str, str | None]:
     """(file, tensor) of a schema entry naming an array: "file" or {"file": ..., "tensor": ...}."""
     if isinstance(value, str):
@@ -298,7 +290,7 @@ class EmbeddingsSource:
             problem = _check_values(array, field, file)
             if problem is not None:
                 problems.append(problem)
-            fields.append(SourceField(field, file, tensor, _sha256(path(file)), index_into, stamps[name]))
+            fields.append(SourceField(field, file, tensor, sha256_file(path(file)), index_into, stamps[name]))
 
         splits_spec = spec.get("splits")
         splits, assigned = [], np.zeros(rows, dtype=np.bool_)
@@ -315,7 +307,7 @@ class EmbeddingsSource:
             problem = _check_split(np.asarray(index), name, file, rows, assigned)
             if problem is not None:
                 problems.append(problem)
-            splits.append(SourceSplit(name, file, tensor, len(index), _sha256(path(file)), stamp))
+            splits.append(SourceSplit(name, file, tensor, len(index), sha256_file(path(file)), stamp))
         if problems:
             if len(problems) == 1:
                 raise problems[0]
