@@ -494,7 +494,7 @@ def make_stream_loader(
             if shard.bytes > limits.max_shard_bytes:
                 raise ManifestError(join(root, shard.name), f"{shard.bytes} bytes, more than max_shard_bytes={limits.max_shard_bytes}")
     if cache_limit is not None:
-        largest = max(s.bytes for m in manifests for s in m.splits[split])
+        largest = max((s.bytes for m in manifests for s in m.splits[split]), default=0)
         if cache_limit < largest:
             raise ValueError(f"cache_limit={cache_limit} cannot hold the largest shard of split {split!r} ({largest} bytes)")
     kind = KINDS[manifests[0].kind]
