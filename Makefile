@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-s3 fuzz clean
+.PHONY: demo test bench bench-s3 bench-vqa bench-embeddings fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ bench: $(STAMP)
 # The SA-1B task from a local S3-compatible server (SeaweedFS on 127.0.0.1) vs local disk.
 bench-s3: $(STAMP)
 	$(BIN)/python bench/s3_loader.py
+
+bench-vqa: $(STAMP)
+	$(BIN)/python bench/vqa_loader.py
+
+bench-embeddings: $(STAMP)
+	$(BIN)/python bench/embeddings_loader.py
 
 # The fuzz tests with 20,000 mutated shards each, instead of the suite's 100 (several minutes).
 fuzz: $(STAMP)
