@@ -219,12 +219,13 @@ class _ShardStream(IterableDataset):
         work = [(batch, [(source, *self.sources[source].locate(unit_id, first_ids[source]))
                          for source, unit_id in zip(sources.tolist(), ids.tolist())]) for batch, sources, ids in plan]
         sized: set[tuple[int, int]] = set()  # shards whose size this iteration has checked
-        opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int]] = collections.OrderedDict()
+        opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int, str, str]] = collections.OrderedDict()
         inflight: dict[tuple[int, int, int], concurrent.futures.Future[bytes]] = {}
         pool = concurrent.futures.ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="shardstream-read")
         try:
             for i, (batch, units) in enumerate(work):
-                for _, later in work[i : i + 1 + cfg.read_ahead]:  # reads of the next batches overlap decoding
+                # Reads of the next batches overlap decoding (each batch's reads are asked for once).
+                for _, later in work[i + cfg.read_ahead if i else 0 : i + 1 + cfg.read_ahead]:
                     for source, shard, index, _, _ in later:
                         where = (source, shard, index)
                         if where not in opened and where not in inflight:
@@ -289,22 +290,22 @@ class _ShardStream(IterableDataset):
         return reader.read(name, source.shard_bytes[shard], source.sha256[shard], start, end, key)
 
     def _decode(self, reader: ShardReader, where: tuple[int, int, int], unit: int, count: int, epoch: int,
-                sized: set[tuple[int, int]], opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int]],
+                sized: set[tuple[int, int]], opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int, str, str]],
                 inflight: dict[tuple[int, int, int], concurrent.futures.Future[bytes]]) -> dict[str, Any]:
         """Decode one unit; a sample of several units is opened once and kept (LRU, by bytes) for the rest."""
-        number, shard, index = where
-        source = self.sources[number]
-        url, key = join(source.root, source.names[shard]), source.keys[shard][index]
         if where in opened:
             opened.move_to_end(where)
-            sample = opened[where][0]
+            sample, _, url, key = opened[where]
         else:
+            number, shard, index = where
+            source = self.sources[number]
+            url, key = join(source.root, source.names[shard]), source.keys[shard][index]
             future = inflight.pop(where, None)
             data = future.result() if future is not None else self._read(reader, where, sized)
             sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key)
             if count > 1:
-                opened[where] = (sample, len(data))
-                held = sum(size for _, size in opened.values())
+                opened[where] = (sample, len(data), url, key)
+                held = sum(entry[1] for entry in opened.values())
                 while held > self.config.unit_cache_bytes and len(opened) > 1:
                     held -= opened.popitem(last=False)[1][1]
         return self.kind.decode(sample, self.options, unit=unit, seed=self.config.seed, epoch=epoch, url=url, key=key)
