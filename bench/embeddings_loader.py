@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from sa1b_loader import timed_epochs  # (bench/ is on the path of a script run from it)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench-embeddings"
 D, K = 768, 7
@@ -81,18 +83,9 @@ def run_loader(data: pathlib.Path, workers: int, batch_size: int, epochs: int) -
     from pipeline import make_stream_loader
 
     loader = make_stream_loader(str(data / "shards"), "train", batch_size=batch_size, num_workers=workers)
-    rates, first = [], []
-    for epoch in range(epochs + 1):
-        loader.set_epoch(epoch)
-        start = time.perf_counter()
-        n = 0
-        for i, batch in enumerate(loader):
-            if i == 0:
-                first.append(time.perf_counter() - start)
-            n += len(batch["row"])
-        if epoch:  # epoch 0 warms the page cache and starts the workers
-            rates.append(n / (time.perf_counter() - start))
-    return {"rate": statistics.median(rates), "rates": rates, "first_batch_s": statistics.median(first[1:])}
+    timed = timed_epochs(loader, epochs, "row")
+    return {"rate": statistics.median(timed["rates"]), "rates": timed["rates"],
+            "first_batch_s": statistics.median(timed["first"])}
 
 
 def run_floor(data: pathlib.Path, batch_size: int, cores: int) -> dict:

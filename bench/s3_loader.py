@@ -21,16 +21,12 @@ import os
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from sa1b_loader import SETTINGS, prepare  # (bench/ is on the path of a script run from it)
 
-from sa1b_loader import SETTINGS, prepare  # noqa: E402
-
-from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options  # noqa: E402
+from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 
 os.environ["AWS_EC2_METADATA_DISABLED"] = AWS_ENV["AWS_EC2_METADATA_DISABLED"]
 

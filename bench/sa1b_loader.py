@@ -55,23 +55,43 @@ def _peak_mb() -> tuple[float, float]:
     return own, children
 
 
+def timed_epochs(loader, epochs: int, field: str) -> dict:
+    """Epoch 0 warms the page cache and starts the workers; then, per timed epoch, samples/s (counted
+    by `len(batch[field])`) and seconds to the first batch. `samples` counts every epoch's."""
+    rates, first, total = [], [], 0
+    for epoch in range(epochs + 1):
+        loader.set_epoch(epoch)
+        start, n = time.perf_counter(), 0
+        for i, batch in enumerate(loader):
+            if i == 0 and epoch:
+                first.append(time.perf_counter() - start)
+            n += len(batch[field])
+        total += n
+        if epoch:
+            rates.append(n / (time.perf_counter() - start))
+    return {"rates": rates, "first": first, "samples": total}
+
+
+def packed_samples(shards: pathlib.Path, split: str = "train"):  # -> Iterator[tuple[str, dict[str, bytes]]]
+    """(key, members) of every sample of a packed split, read from memory."""
+    from pipeline.format import Manifest
+    from pipeline.tario import parse_sample
+
+    manifest = Manifest.from_json((shards / "manifest.json").read_bytes(), "m")
+    for shard in manifest.splits[split]:
+        blob = (shards / shard.name).read_bytes()
+        for i, key in enumerate(shard.keys):
+            yield key, parse_sample(blob[shard.offsets[i] : shard.offsets[i + 1]], shard.name, key)
+
+
 def run_loader(data: pathlib.Path, workers: int, epochs: int) -> dict:
     from pipeline import make_stream_loader
 
     loader = make_stream_loader(str(data / "shards"), "train", num_workers=workers, **SETTINGS)
-    rates, first = [], []
-    for epoch in range(epochs + 1):
-        loader.set_epoch(epoch)
-        start = time.perf_counter()
-        n = 0
-        for i, batch in enumerate(loader):
-            if i == 0:
-                first.append(time.perf_counter() - start)
-            n += len(batch["keys"])
-        if epoch:  # epoch 0 warms the page cache
-            rates.append(n / (time.perf_counter() - start))
+    timed = timed_epochs(loader, epochs, "keys")
     del loader
-    return {"rate": statistics.median(rates), "first_batch_s": statistics.median(first[1:]), "peak_mb": _peak_mb()}
+    return {"rate": statistics.median(timed["rates"]), "first_batch_s": statistics.median(timed["first"]),
+            "peak_mb": _peak_mb()}
 
 
 class NaiveDataset:
@@ -126,20 +146,15 @@ def run_floor(data: pathlib.Path, cores: int) -> dict:
     """One core's decode rate over the loader's own samples (total time, median of 3 passes) x cores."""
     import torch
 
-    from pipeline.format import Manifest, unpack_record
+    from pipeline.format import unpack_record
     from pipeline.rle import fit, raster
     from pipeline.sa1b import choose_masks, decode_image
-    from pipeline.tario import parse_sample
 
     torch.set_num_threads(1)  # as in a DataLoader worker: the floor is one core's work
-    manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
     work = []
-    for shard in manifest.splits["train"]:
-        blob = (data / "shards" / shard.name).read_bytes()
-        for i, key in enumerate(shard.keys):
-            members = parse_sample(blob[shard.offsets[i] : shard.offsets[i + 1]], shard.name, key)
-            record = unpack_record(members["msgpack"])
-            work.append((key, members["jpg"], record["counts"], record["image"]["height"], record["image"]["width"]))
+    for key, members in packed_samples(data / "shards"):
+        record = unpack_record(members["msgpack"])
+        work.append((key, members["jpg"], record["counts"], record["image"]["height"], record["image"]["width"]))
     passes = []
     for _ in range(3):
         start = time.perf_counter()

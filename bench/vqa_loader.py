@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from sa1b_loader import packed_samples, timed_epochs  # (bench/ is on the path of a script run from it)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench-vqa"
 BATCH = 16
@@ -55,21 +57,13 @@ def prepare(images: int) -> pathlib.Path:
 def run_loader(data: pathlib.Path, workers: int, image_size: int, epochs: int) -> dict:
     from pipeline import make_stream_loader
 
-    used, total = _cpu(), 0
+    used = _cpu()
     loader = make_stream_loader(str(data / "shards"), "train", batch_size=BATCH, num_workers=workers,
                                 image_size=image_size)
-    rates = []
-    for epoch in range(epochs + 1):
-        loader.set_epoch(epoch)
-        start, n = time.perf_counter(), 0
-        for batch in loader:
-            n += len(batch["keys"])
-        total += n
-        if epoch:  # epoch 0 warms the page cache and starts the workers
-            rates.append(n / (time.perf_counter() - start))
-    del loader, batch  # the workers exit and are reaped: their CPU time is counted
+    timed = timed_epochs(loader, epochs, "keys")
+    del loader  # the workers exit and are reaped: their CPU time is counted
     gc.collect()
-    return {"rate": statistics.median(rates), "cpu_ms": 1000 * (_cpu() - used) / total}
+    return {"rate": statistics.median(timed["rates"]), "cpu_ms": 1000 * (_cpu() - used) / timed["samples"]}
 
 
 def _cpu() -> float:
@@ -99,19 +93,13 @@ def _decode_share(args: tuple[list[tuple[bytes, tuple[int, int]]], int]) -> tupl
 
 def run_floor(data: pathlib.Path, cores: int, image_size: int, passes: int = 3) -> dict:
     """Every question's image decoded to its frame, the questions split over `cores` processes running at once."""
-    from pipeline.format import Manifest, unpack_record
+    from pipeline.format import unpack_record
     from pipeline.rle import fit
-    from pipeline.tario import parse_sample
 
-    manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
     work = []
-    for shard in manifest.splits["train"]:
-        blob = (data / "shards" / shard.name).read_bytes()
-        for i, key in enumerate(shard.keys):
-            members = parse_sample(blob[shard.offsets[i] : shard.offsets[i + 1]], shard.name, key)
-            record = unpack_record(members["msgpack"])
-            frame = fit(*record["stored_size"], image_size)
-            work += [(members["jpg"], frame)] * len(record["questions"])
+    for _, members in packed_samples(data / "shards"):
+        record = unpack_record(members["msgpack"])
+        work += [(members["jpg"], fit(*record["stored_size"], image_size))] * len(record["questions"])
     shares = [(work[c::cores], passes) for c in range(cores)]
     with multiprocessing.get_context("spawn").Pool(cores) as pool:
         seconds, cpu = zip(*pool.map(_decode_share, shares))
