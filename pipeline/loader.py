@@ -116,9 +116,8 @@ class _Source:
         # `bisect` on lists costs ~0.2 us a call, np.searchsorted on a scalar ~2 us: locate runs once per unit
         return self.first_id.tolist(), [None if s is None else s.tolist() for s in self.unit_starts]
 
-    def locate(self, unit_id: int, first_id: np.ndarray) -> tuple[int, int, int, int]:
-        """(shard, sample index, unit within the sample, units in the sample) of a unit id (`first_id`
-        is this source's `first_id`)."""
+    def locate(self, unit_id: int) -> tuple[int, int, int, int]:
+        """(shard, sample index, unit within the sample, units in the sample) of a unit id."""
         first_ids, all_starts = self._lists
         shard = bisect.bisect_right(first_ids, unit_id) - 1
         local, starts = unit_id - first_ids[shard], all_starts[shard]
@@ -215,8 +214,7 @@ class _ShardStream(IterableDataset):
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
         readers = self._readers()
-        first_ids = [s.first_id for s in self.sources]
-        work = [(batch, [(source, *self.sources[source].locate(unit_id, first_ids[source]))
+        work = [(batch, [(source, *self.sources[source].locate(unit_id))
                          for source, unit_id in zip(sources.tolist(), ids.tolist())]) for batch, sources, ids in plan]
         sized: set[tuple[int, int]] = set()  # shards whose size this iteration has checked
         opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int, str, str]] = collections.OrderedDict()
@@ -261,7 +259,7 @@ class _ShardStream(IterableDataset):
         kept for its later iterations (a client costs ~0.1-0.3 s to make)."""
         if self._reader_pid != os.getpid():
             cfg = self.config
-            cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None and cfg.cache_limit else None
+            cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None else None
             self._reader_list = [ShardReader(s.root, self.storage_options, cfg.retry, cache) for s in self.sources]
             self._reader_pid = os.getpid()
         return self._reader_list

@@ -106,14 +106,15 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     """The filesystem and path of a URL, with s3fs's and botocore's retries off unless the options set
     them (`Retry` is the one retry layer). Call it in the process that reads: filesystems are not fork-safe."""
     options = dict(storage_options or {})
-    if url.startswith(("s3://", "s3a://")):
+    s3 = url.startswith(("s3://", "s3a://"))
+    if s3:
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": 1})
         options["config_kwargs"] = config
         options.setdefault("skip_instance_cache", True)  # our instance: its `retries` below is ours to set
         options.setdefault("session", _botocore_session())
     fs, path = url_to_fs(url, **options)
-    if url.startswith(("s3://", "s3a://")) and "retries" not in (storage_options or {}):
+    if s3 and "retries" not in options:
         fs.retries = 1  # s3fs's own loop: one try
     return fs, path
 
@@ -174,9 +175,11 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
     try:
         fs, path = filesystem(url, storage_options)
         size = with_retries(retry, url, lambda: fs.size(path))
-        if size > MAX_MANIFEST_BYTES:
+        if size > MAX_MANIFEST_BYTES:  # (outside the handlers below, which would wrap it again)
             raise ManifestError(url, f"larger than {MAX_MANIFEST_BYTES} bytes: not a manifest this reader accepts")
         data = read_range(fs, path, url, 0, size, retry=retry) if size else b""
+    except ManifestError:
+        raise
     except (FileNotFoundError, ShardError) as exc:
         if isinstance(exc, FileNotFoundError) or isinstance(exc.__cause__, FileNotFoundError):
             raise ManifestError(url, "no manifest: is this a folder written by `shard-pack`? (or the bucket does "

@@ -15,8 +15,8 @@ the output is the same bytes in every case.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import json
@@ -107,13 +107,12 @@ class PackOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.max_skipped, int) or self.max_skipped < 0:
             raise ValueError(f"max_skipped must be an int >= 0, got {self.max_skipped!r}")
-        if self.splits is None:
-            pass
-        elif not self.splits or len({n for n, _ in self.splits}) != len(self.splits) \
-                or any(not n.isidentifier() for n, _ in self.splits):
-            raise ValueError(f"split names must be distinct identifiers, got {[n for n, _ in self.splits]}")
-        elif any(f <= 0 for _, f in self.splits) or abs(sum(f for _, f in self.splits) - 1) > 1e-9:
-            raise ValueError(f"split fractions must be > 0 and sum to 1, got {dict(self.splits)}")
+        if self.splits is not None:  # (None: the source sets each sample's split)
+            names = [n for n, _ in self.splits]
+            if not names or len(set(names)) != len(names) or any(not n.isidentifier() for n in names):
+                raise ValueError(f"split names must be distinct identifiers, got {names}")
+            if any(f <= 0 for _, f in self.splits) or abs(sum(f for _, f in self.splits) - 1) > 1e-9:
+                raise ValueError(f"split fractions must be > 0 and sum to 1, got {dict(self.splits)}")
         if self.dask is not None and not (self.dask.startswith(("tcp://", "tls://", "ucx://", "inproc://"))
                                           or self.dask.removeprefix("local:").isdigit()):
             raise ValueError(f"dask must be a scheduler address (tcp://host:8786) or local:N, got {self.dask!r}")
