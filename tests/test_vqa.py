@@ -532,16 +532,23 @@ def test_trl_dataset_refuses_other_kinds(sa1b_dataset):
         trl_dataset(sa1b_dataset, "train")
 
 
-def test_trl_dataset_errors_reach_the_trainer(packed, tmp_path):
+def _broken_record(dataset: str, tmp_path: pathlib.Path, index: int, garbage: bytes):
+    """A copy of `dataset` whose first train shard's sample `index` has `garbage` at the start of its
+    msgpack record (the member after the image): (root, shard)."""
     root = tmp_path / "broken"
-    shutil.copytree(packed["llava"], root)
+    shutil.copytree(dataset, root)
     shard = _manifest(root).splits["train"][0]
     data = bytearray((root / shard.name).read_bytes())
-    start = shard.offsets[1]
-    size = int(data[start + 124 : start + 136].rstrip(b"\0"), 8)
+    start = shard.offsets[index]
+    size = int(data[start + 124 : start + 136].rstrip(b"\0"), 8)  # the image member's size field
     record = start + 512 + size + (-size % 512) + 512
-    data[record : record + 4] = b"\xc1" * 4
+    data[record : record + len(garbage)] = garbage
     (root / shard.name).write_bytes(bytes(data))
+    return root, shard
+
+
+def test_trl_dataset_errors_reach_the_trainer(packed, tmp_path):
+    root, shard = _broken_record(packed["llava"], tmp_path, 1, b"\xc1" * 4)
     loader = torch.utils.data.DataLoader(trl_dataset(str(root), "train", shuffle=False), batch_size=2, num_workers=2,
                                          collate_fn=lambda x: x)
     with pytest.raises(RuntimeError, match=rf"{shard.name}: sample {shard.keys[1]!r}, field 'msgpack': cannot unpack"):
@@ -564,14 +571,7 @@ def test_stock_webdataset_reads_the_shards(packed):
 
 
 def test_trl_dataset_skips_within_each_epochs_budget(packed, tmp_path):
-    root = tmp_path / "broken"
-    shutil.copytree(packed["llava"], root)
-    shard = _manifest(root).splits["train"][0]
-    data = bytearray((root / shard.name).read_bytes())
-    start = shard.offsets[0]
-    size = int(data[start + 124 : start + 136].rstrip(b"\0"), 8)
-    data[start + 512 + size + (-size % 512) + 512] = 0xC1  # the first sample's record
-    (root / shard.name).write_bytes(bytes(data))
+    root, shard = _broken_record(packed["llava"], tmp_path, 0, b"\xc1")  # the first sample's record
     lost = (shard.units or [1])[0]
     ds = trl_dataset(str(root), "train", on_error="skip", max_errors=lost, image_size=16)
     for epoch in range(3):
