@@ -203,11 +203,11 @@ class Block:
     columns: Mapping[str, np.ndarray]
 
 
-class _Row(NamedTuple):
-    """What `decode` returns: a row of an opened block, and the epoch its batch is for."""
+class _Rows(NamedTuple):
+    """What `decode` returns: rows of an opened block, and the epoch their batch is for."""
 
     block: Block
-    unit: int
+    units: np.ndarray
     epoch: int
 
 
@@ -274,11 +274,12 @@ def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: st
     return Block(url, key, n, kept)
 
 
-def decode(block: Block, options: EmbeddingsOptions, *, unit: int, seed: int, epoch: int, url: str, key: str) -> _Row:
-    """A reference to one row: `collate` gathers the batch's rows block by block."""
-    if not 0 <= unit < block.rows:
-        raise SampleError(url, key, None, f"row {unit} of a block of {block.rows} rows (the manifest says more)")
-    return _Row(block, unit, epoch)
+def decode(block: Block, options: EmbeddingsOptions, *, unit: np.ndarray, seed: int, epoch: int, url: str,
+           key: str) -> _Rows:
+    """The batch's rows of one block, as a reference: `collate` gathers them."""
+    if unit.min() < 0 or unit.max() >= block.rows:
+        raise SampleError(url, key, None, f"row {int(unit.max())} of a block of {block.rows} rows (the manifest says more)")
+    return _Rows(block, unit, epoch)
 
 
 def _offsets(layout: Sequence[tuple[str, str, tuple[int, ...]]], batch: int) -> tuple[list[int], int]:
@@ -290,38 +291,30 @@ def _offsets(layout: Sequence[tuple[str, str, tuple[int, ...]]], batch: int) -> 
     return offsets, end
 
 
-def collate(rows: Sequence[_Row], options: EmbeddingsOptions) -> dict[str, Any]:
+def collate(pieces: Sequence[_Rows], options: EmbeddingsOptions) -> dict[str, Any]:
     """The batch in transit: one shared-memory byte buffer holding every field, and its layout.
 
-    Rows keep the plan's order; each block's rows are gathered with one fancy index per field."""
-    b, epoch = len(rows), rows[0].epoch
+    Each block's rows are gathered with one `take` per field into a contiguous stretch of the
+    batch: a batch holds its rows grouped by block (~2x faster than scattering them to plan order)."""
+    b, epoch = sum(len(p.units) for p in pieces), pieces[0].epoch
     layout = options.layout(epoch)
-    blocks, units, _ = zip(*rows)
-    labels: dict[int, int] = {}
-    label = np.array([labels.setdefault(id(block), len(labels)) for block in blocks])
-    picked = np.array(units)
-    if len(labels) == 1:
-        groups = [(blocks[0], slice(None), picked)]
-    else:
-        order = np.argsort(label, kind="stable")
-        groups = [(blocks[int(p[0])], p, picked[p]) for p in np.split(order, np.flatnonzero(np.diff(label[order])) + 1)]
     offsets, total = _offsets(layout, b)
-    buffer = empty((total,), torch.uint8)
-    flat = buffer.numpy()
+    flat = empty((total,), torch.uint8)
+    array = flat.numpy()
     shipped = []
     for (name, dtype, shape), offset in zip(layout, offsets):
         size = b * math.prod(shape) * storage_dtype(dtype).itemsize
-        out = flat[offset : offset + size].view(storage_dtype(dtype)).reshape(b, *shape)
-        for block, positions, chosen in groups:
+        out = array[offset : offset + size].view(storage_dtype(dtype)).reshape(b, *shape)
+        at = 0
+        for block, units, _ in pieces:
             source = block.columns[name]
             if shape[:1] != source.shape[1:2]:  # a scheduled `take`
                 source = source[:, : shape[0]]
-            if len(groups) == 1:  # mode="clip": take's fast path (with "raise" it buffers `out`); indices are checked
-                np.take(source, chosen, axis=0, out=out, mode="clip")
-            else:
-                out[positions] = source[chosen]
+            # mode="clip": take's fast path (with "raise" it buffers `out`); `decode` checked the indices
+            np.take(source, units, axis=0, out=out[at : at + len(units)], mode="clip")
+            at += len(units)
         shipped.append((name, dtype, (b, *shape), offset))
-    return {"buffer": buffer, "layout": tuple(shipped)}
+    return {"buffer": flat, "layout": tuple(shipped)}
 
 
 def finish(batch: dict[str, Any], options: EmbeddingsOptions) -> dict[str, torch.Tensor]:

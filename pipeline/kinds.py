@@ -25,7 +25,9 @@ def _members(members: dict[str, bytes], options: Any, *, url: str, key: str) -> 
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """A kind's reading side. A sample may hold several units (rows of a block, questions of an
-    image): the plan orders units, the loader opens a sample once and decodes its units one by one."""
+    image): the plan orders units, the loader opens a sample once and decodes its units one by one,
+    or, for a `grouped` kind, all of its units in a batch at once (an array of them: the batch
+    holds them together, samples in order of their first unit in the plan)."""
 
     options: Callable[..., Any]  # (manifests, limits, **user options) -> the kind's frozen options
     decode: Callable[..., Any]  # (opened, options, *, unit, seed, epoch, url, key) -> sample, as collate takes it
@@ -35,6 +37,7 @@ class Kind:
     verify_options: Callable[[Manifest], Any]  # options that decode everything a sample holds (`shard-pack verify`)
     units: Callable[[ShardInfo, Any], np.ndarray | None] = _one_each  # (shard, options) -> units per sample
     open: Callable[..., Any] = _members  # (members, options, *, url, key) -> what `decode` takes
+    grouped: bool = False
 
 
 def _sa1b_options(manifests: Sequence[Manifest], limits: Any, **options: Any) -> sa1b.Sa1bOptions:
@@ -63,5 +66,6 @@ KINDS: dict[str, Kind] = {
     "vqa": Kind(_vqa_options, vqa.decode_sample, vqa.collate, vqa.finish, vqa.check_batch, _vqa_verify, vqa.units,
                 vqa.open_sample),
     "embeddings": Kind(_embeddings_options, embeddings.decode, embeddings.collate, embeddings.finish,
-                       embeddings.check_batch, embeddings.verify_options, embeddings.units, embeddings.open_block),
+                       embeddings.check_batch, embeddings.verify_options, embeddings.units, embeddings.open_block,
+                       grouped=True),
 }

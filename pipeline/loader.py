@@ -6,7 +6,6 @@ import bisect
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from pipeline.collate import Leases
 from pipeline.device import prefetch_to_cuda, to_device
 from pipeline.errors import ManifestError, ShardError, ShardstreamError
 from pipeline.format import Manifest
@@ -84,47 +84,51 @@ class _WorkerError:
 
 @dataclasses.dataclass(frozen=True)
 class _Source:
-    """One dataset's split, as the reader needs it: shard names, keys, byte offsets and units."""
+    """One dataset's split, as the reader needs it: shard names, keys, byte offsets and units.
+
+    Samples are numbered over the split's shards in order; units (what the plan orders) likewise."""
 
     root: str
     names: tuple[str, ...]
     keys: tuple[tuple[str, ...], ...]
     offsets: tuple[np.ndarray, ...]
-    unit_starts: tuple[np.ndarray | None, ...]  # per shard: each sample's first unit (None: one unit each)
-    sizes: tuple[int, ...]  # units per shard
     shard_bytes: tuple[int, ...]
     sha256: tuple[str, ...]
+    sizes: tuple[int, ...]  # units per shard
+    first_sample: tuple[int, ...]  # each shard's first sample, then the split's sample count
+    starts: np.ndarray | None  # each sample's first unit, then the unit count (None: one unit each)
 
     @classmethod
     def of(cls, root: str, manifest: Manifest, split: str, kind: Kind, options: Any) -> _Source:
         shards = manifest.splits[split]
-        starts = []
-        for shard in shards:
-            units = kind.units(shard, options)
-            starts.append(None if units is None else np.concatenate(([0], np.cumsum(units))).astype(np.int64))
+        units = [kind.units(shard, options) for shard in shards]
+        starts = None
+        if any(u is not None for u in units):
+            counts = [np.ones(s.samples, np.int64) if u is None else u for s, u in zip(shards, units)]
+            starts = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64)
         return cls(root, tuple(s.name for s in shards), tuple(s.keys for s in shards),
-                   tuple(np.asarray(s.offsets, dtype=np.int64) for s in shards), tuple(starts),
-                   tuple(s.samples if u is None else int(u[-1]) for s, u in zip(shards, starts)),
-                   tuple(s.bytes for s in shards), tuple(s.sha256 for s in shards))
+                   tuple(np.asarray(s.offsets, dtype=np.int64) for s in shards), tuple(s.bytes for s in shards),
+                   tuple(s.sha256 for s in shards),
+                   tuple(s.samples if u is None else int(u.sum()) for s, u in zip(shards, units)),
+                   tuple(np.cumsum([0] + [s.samples for s in shards]).tolist()), starts)
 
-    @property
-    def first_id(self) -> np.ndarray:
-        return np.concatenate(([0], np.cumsum(self.sizes)[:-1])).astype(np.int64)
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sample of each unit id, and the unit's place in its sample."""
+        if self.starts is None:
+            return ids, np.zeros_like(ids)
+        samples = np.searchsorted(self.starts, ids, side="right") - 1
+        return samples, ids - self.starts[samples]
 
-    @functools.cached_property
-    def _lists(self) -> tuple[list[int], list[list[int] | None]]:
-        # `bisect` on lists costs ~0.2 us a call, np.searchsorted on a scalar ~2 us: locate runs once per unit
-        return self.first_id.tolist(), [None if s is None else s.tolist() for s in self.unit_starts]
+    def where(self, sample: int) -> tuple[int, int]:
+        """(shard, index in the shard) of a sample."""
+        shard = bisect.bisect_right(self.first_sample, sample) - 1
+        return shard, sample - self.first_sample[shard]
 
-    def locate(self, unit_id: int) -> tuple[int, int, int, int]:
-        """(shard, sample index, unit within the sample, units in the sample) of a unit id."""
-        first_ids, all_starts = self._lists
-        shard = bisect.bisect_right(first_ids, unit_id) - 1
-        local, starts = unit_id - first_ids[shard], all_starts[shard]
-        if starts is None:
-            return shard, local, 0, 1
-        index = bisect.bisect_right(starts, local) - 1
-        return shard, index, local - starts[index], starts[index + 1] - starts[index]
+    def units(self, sample: int) -> int:
+        return 1 if self.starts is None else int(self.starts[sample + 1] - self.starts[sample])
+
+
+_Where = tuple[int, int]  # a sample: (source, sample number in the source's split)
 
 
 class _ShardStream(IterableDataset):
@@ -144,6 +148,7 @@ class _ShardStream(IterableDataset):
         self.skipped = torch.zeros(2, max(1, config.num_workers), dtype=torch.int64).share_memory_()
         self.errors_as_values = True  # False when another DataLoader than ours iterates it (make_stream_dataset)
         self.flatten = False  # True: yield the samples of each collated batch (a kind's per-sample form)
+        self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
         self._reader_pid: int | None = None
         self._reader_list: list[ShardReader] = []
 
@@ -214,37 +219,38 @@ class _ShardStream(IterableDataset):
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
         readers = self._readers()
-        work = [(batch, [(source, *self.sources[source].locate(unit_id))
-                         for source, unit_id in zip(sources.tolist(), ids.tolist())]) for batch, sources, ids in plan]
         sized: set[tuple[int, int]] = set()  # shards whose size this iteration has checked
-        opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int, str, str]] = collections.OrderedDict()
-        inflight: dict[tuple[int, int, int], concurrent.futures.Future[bytes]] = {}
+        opened: collections.OrderedDict[_Where, tuple[Any, int, str, str]] = collections.OrderedDict()
+        inflight: dict[_Where, concurrent.futures.Future[bytes | memoryview]] = {}
+        prepared: dict[int, tuple[list[_Where], list[tuple[_Where, Any]]]] = {}
         pool = concurrent.futures.ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="shardstream-read")
         try:
-            for i, (batch, units) in enumerate(work):
+            for i, (batch, _, _) in enumerate(plan):
                 # Reads of the next batches overlap decoding (each batch's reads are asked for once).
-                for _, later in work[i + cfg.read_ahead if i else 0 : i + 1 + cfg.read_ahead]:
-                    for source, shard, index, _, _ in later:
-                        where = (source, shard, index)
+                for later in range(i + cfg.read_ahead if i else 0, min(i + 1 + cfg.read_ahead, len(plan))):
+                    prepared[later] = self._prepare(*plan[later][1:])
+                    for where in prepared[later][0]:
                         if where not in opened and where not in inflight:
-                            inflight[where] = pool.submit(self._read, readers[source], where, sized)
-                samples = []
-                for source, shard, index, unit, count in units:
-                    where = (source, shard, index)
+                            inflight[where] = pool.submit(self._read, readers[where[0]], where, sized)
+                pieces = []
+                for where, unit in prepared.pop(i)[1]:
                     try:
-                        samples.append(self._decode(readers[source], where, unit, count, epoch, sized, opened, inflight))
+                        sample, url, key = self._open(readers[where[0]], where, sized, opened, inflight)
+                        pieces.append(self.kind.decode(sample, self.options, unit=unit, seed=cfg.seed, epoch=epoch,
+                                                       url=url, key=key))
                     except ShardstreamError as exc:
                         if cfg.on_error == "raise":
                             raise
-                        self.skipped[:, world.worker] += 1
+                        self.skipped[:, world.worker] += len(unit) if self.kind.grouped else 1
                         log.warning("skipped: %s", exc)
                         skipped = int(self.skipped[1].sum())
                         if budget is not None and skipped > budget:
-                            raise ShardError(self.sources[source].root, f"{skipped} samples skipped in this epoch, more "
-                                             f"than max_errors={cfg.max_errors} allows ({budget}); last: {exc}") from exc
-                if not samples:
-                    raise ShardError(self.sources[0].root, f"all {len(units)} samples of batch {batch} failed; ranks cannot stay in step")
-                yield self.kind.collate(samples, self.options)
+                            raise ShardError(self.sources[where[0]].root, f"{skipped} samples skipped in this epoch, "
+                                             f"more than max_errors={cfg.max_errors} allows ({budget}); last: {exc}") from exc
+                if not pieces:
+                    raise ShardError(self.sources[0].root, f"all {len(plan[i][2])} samples of batch {batch} failed; ranks "
+                                     "cannot stay in step")
+                yield self._collate(pieces, world)
                 if i == 0:
                     for reader in readers:
                         reader.start_downloads()
@@ -253,6 +259,36 @@ class _ShardStream(IterableDataset):
                 reader.settle()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _prepare(self, sources: np.ndarray, ids: np.ndarray) -> tuple[list[_Where], list[tuple[_Where, Any]]]:
+        """A batch's samples, in order of first use, and what to decode: (sample, unit) for each unit,
+        in plan order, or for a kind that decodes by sample, (sample, its units) for each sample."""
+        samples, units = np.empty_like(ids), np.empty_like(ids)
+        for number in np.unique(sources).tolist():
+            mine = sources == number
+            samples[mine], units[mine] = self.sources[number].locate(ids[mine])
+        codes = sources << 40 | samples
+        unique, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
+        appearance = np.argsort(first)
+        wheres = [(code >> 40, code & ((1 << 40) - 1)) for code in unique[appearance].tolist()]
+        if not self.kind.grouped:
+            return wheres, list(zip(zip(sources.tolist(), samples.tolist()), units.tolist()))
+        rank = np.empty_like(appearance)
+        rank[appearance] = np.arange(len(appearance))
+        group = rank[inverse.reshape(-1)]
+        bounds = np.cumsum(np.bincount(group))[:-1]
+        return wheres, list(zip(wheres, np.split(units[np.argsort(group, kind="stable")], bounds)))
+
+    def _collate(self, samples: list[Any], world: World) -> Any:
+        if self.leases is None or get_worker_info() is None:
+            return self.kind.collate(samples, self.options)
+        with self.leases.collating(world.worker) as taken:
+            batch = self.kind.collate(samples, self.options)
+        if isinstance(batch, dict):
+            batch["leases"] = self.leases.lend(world.worker, taken)
+        elif taken:
+            self.leases.forget(world.worker, taken)
+        return batch
 
     def _readers(self) -> list[ShardReader]:
         """This process's readers: made in the process that reads (filesystems are not fork-safe) and
@@ -267,12 +303,13 @@ class _ShardStream(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:  # (spawned workers make their own readers)
         return {**self.__dict__, "_reader_pid": None, "_reader_list": []}
 
-    def _read(self, reader: ShardReader, where: tuple[int, int, int], sized: set[tuple[int, int]]) -> bytes:
+    def _read(self, reader: ShardReader, where: _Where, sized: set[tuple[int, int]]) -> bytes | memoryview:
         """One sample's bytes (in a reader thread), after checking once per iteration that its shard has
         the size the manifest says (a shard replaced or cut since packing is named at once; the cache
         checks cached shards' SHA-256 instead)."""
-        number, shard, index = where
+        number, sample = where
         source = self.sources[number]
+        shard, index = source.where(sample)
         name, key = source.names[shard], source.keys[shard][index]
         if reader.cache is None and (number, shard) not in sized:
             size = reader.size(name, key)
@@ -287,26 +324,28 @@ class _ShardStream(IterableDataset):
                              f"max_sample_bytes={limits.max_sample_bytes}")
         return reader.read(name, source.shard_bytes[shard], source.sha256[shard], start, end, key)
 
-    def _decode(self, reader: ShardReader, where: tuple[int, int, int], unit: int, count: int, epoch: int,
-                sized: set[tuple[int, int]], opened: collections.OrderedDict[tuple[int, int, int], tuple[Any, int, str, str]],
-                inflight: dict[tuple[int, int, int], concurrent.futures.Future[bytes]]) -> dict[str, Any]:
-        """Decode one unit; a sample of several units is opened once and kept (LRU, by bytes) for the rest."""
+    def _open(self, reader: ShardReader, where: _Where, sized: set[tuple[int, int]],
+              opened: collections.OrderedDict[_Where, tuple[Any, int, str, str]],
+              inflight: dict[_Where, concurrent.futures.Future[bytes | memoryview]]) -> tuple[Any, str, str]:
+        """(the opened sample, its shard's URL, its key); a sample of several units is opened once and
+        kept (LRU, by bytes) for the rest."""
         if where in opened:
             opened.move_to_end(where)
             sample, _, url, key = opened[where]
-        else:
-            number, shard, index = where
-            source = self.sources[number]
-            url, key = join(source.root, source.names[shard]), source.keys[shard][index]
-            future = inflight.pop(where, None)
-            data = future.result() if future is not None else self._read(reader, where, sized)
-            sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key)
-            if count > 1:
-                opened[where] = (sample, len(data), url, key)
-                held = sum(entry[1] for entry in opened.values())
-                while held > self.config.unit_cache_bytes and len(opened) > 1:
-                    held -= opened.popitem(last=False)[1][1]
-        return self.kind.decode(sample, self.options, unit=unit, seed=self.config.seed, epoch=epoch, url=url, key=key)
+            return sample, url, key
+        number, index = where
+        source = self.sources[number]
+        shard, at = source.where(index)
+        url, key = join(source.root, source.names[shard]), source.keys[shard][at]
+        future = inflight.pop(where, None)
+        data = future.result() if future is not None else self._read(reader, where, sized)
+        sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key)
+        if source.units(index) > 1:
+            opened[where] = (sample, len(data), url, key)
+            held = sum(entry[1] for entry in opened.values())
+            while held > self.config.unit_cache_bytes and len(opened) > 1:
+                held -= opened.popitem(last=False)[1][1]
+        return sample, url, key
 
 
 class StreamLoader:
@@ -406,6 +445,8 @@ class StreamLoader:
 def _raise_worker_errors(batch: Any) -> dict[str, Any]:
     if isinstance(batch, _WorkerError):
         raise batch.error
+    if isinstance(batch, dict):
+        batch.pop("leases", None)  # (done its work when the batch arrived: see collate.Leases)
     return batch
 
 
@@ -512,6 +553,8 @@ def make_stream_loader(
             f"{', '.join(roots)}: split {split!r} gives {total} samples per epoch, too few for one batch of "
             f"{batch_size} on each of {world.world_size} ranks with drop_last=True"
         )
+    if num_workers:
+        stream.leases = Leases(num_workers)
     loader = DataLoader(
         stream,
         batch_size=None,

@@ -13,6 +13,7 @@ worker): s3fs is not fork-safe.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -21,6 +22,7 @@ import functools
 import glob
 import hashlib
 import logging
+import mmap
 import os
 import posixpath
 import random
@@ -325,6 +327,7 @@ class ShardReader:
         self._started = False
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._maps: collections.OrderedDict[tuple[str, int, int], memoryview] = collections.OrderedDict()
 
     def size(self, name: str, key: str) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages)."""
@@ -336,18 +339,49 @@ class ShardReader:
         except Exception as exc:
             raise ShardError(url, f"sample {key!r}: cannot stat shard: {_describe(exc)}") from exc
 
-    def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str) -> bytes:
+    def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str) -> bytes | memoryview:
+        """Bytes [start, end) of a shard: a view of the file mapped in memory when it is on local disk
+        (in place or in the cache: no copy), else read by range."""
         url, path = join(self.root, name), join(self.base, name)
         if self.cache is not None:
             local = self.cache.lookup(url, sha256)
             if local is not None:
-                with contextlib.suppress(FileNotFoundError), open(local, "rb") as f:  # (evicted meanwhile: stream)
-                    f.seek(start)
-                    data = f.read(end - start)
-                    if len(data) == end - start:
-                        return data
+                with contextlib.suppress(FileNotFoundError):  # (evicted meanwhile: stream)
+                    view = self._mapped(local)
+                    if len(view) >= end:
+                        return view[start:end]
             self._download(name, url, path, size, sha256)
+        elif is_local(self.fs):
+            try:
+                view = self._mapped(path)
+            except FileNotFoundError as exc:
+                raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+            except (OSError, ValueError) as exc:
+                raise ShardError(url, f"sample {key!r}: cannot map the shard: {_describe(exc)}") from exc
+            if len(view) < end:
+                raise ShardError(url, f"sample {key!r}: shard is {len(view)} bytes, shorter than the sample's range "
+                                 f"({start}-{end})")
+            return view[start:end]
         return read_range(self.fs, path, url, start, end, key, self.retry)
+
+    def _mapped(self, path: str) -> memoryview:
+        """The file at `path` mapped read-only, kept for later reads (the newest 64 files; a file
+        replaced since is mapped anew). Shards are replaced by rename, never rewritten in place: a
+        file cut short under a mapping would fault its reader."""
+        stat = os.stat(path)
+        where = (path, stat.st_ino, stat.st_size)
+        with self._lock:
+            view = self._maps.get(where)
+            if view is not None:
+                self._maps.move_to_end(where)
+                return view
+        with open(path, "rb") as f:
+            view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if stat.st_size else memoryview(b"")
+        with self._lock:
+            self._maps[where] = view
+            while len(self._maps) > 64:
+                self._maps.popitem(last=False)  # (unmapped once the samples read from it are dropped)
+        return view
 
     def start_downloads(self) -> None:
         """Let background downloads begin (after the first batch: they would slow it down)."""

@@ -101,8 +101,9 @@ def _octal(field: bytes) -> int:
     return int(text, 8)
 
 
-def parse_sample(data: bytes, url: str, key: str, limits: ReadLimits = ReadLimits()) -> dict[str, bytes]:
-    """The members `{ext: bytes}` of one sample, from the exact byte range the manifest gives for it.
+def parse_sample(data: bytes | memoryview, url: str, key: str, limits: ReadLimits = ReadLimits()) -> dict[str, memoryview]:
+    """The members `{ext: view of their bytes}` of one sample (no copy), from the exact byte range
+    the manifest gives for it.
 
     Only what the writer makes is accepted: regular files named `<key>.<ext>` for the manifest's
     key, headers with valid checksums, sizes within the caps and within the range. Nothing is
@@ -111,9 +112,9 @@ def parse_sample(data: bytes, url: str, key: str, limits: ReadLimits = ReadLimit
         check_key(key)
     except ValueError as exc:
         raise ShardError(url, f"unsafe sample key in the manifest: {exc}") from exc
-    if data[:2] == b"\x1f\x8b":
+    if bytes(data[:2]) == b"\x1f\x8b":
         raise ShardError(url, f"sample {key!r}: gzip-compressed data; only uncompressed tar shards are read")
-    members: dict[str, bytes] = {}
+    members: dict[str, memoryview] = {}
     view = memoryview(data)
     pos = 0
     while pos < len(data):
@@ -137,6 +138,6 @@ def parse_sample(data: bytes, url: str, key: str, limits: ReadLimits = ReadLimit
             raise ShardError(url, f"sample {key!r}: member {name!r} claims {size} bytes, beyond the cap or the sample's range")
         if ext in members or len(members) == limits.max_members:
             raise ShardError(url, f"sample {key!r}: duplicate member {name!r} or more than {limits.max_members} members")
-        members[ext] = bytes(view[pos + BLOCK : pos + BLOCK + size])
+        members[ext] = view[pos + BLOCK : pos + BLOCK + size]
         pos += BLOCK + size + (-size % BLOCK)
     return members

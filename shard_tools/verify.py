@@ -6,6 +6,7 @@ import hashlib
 import sys
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from pipeline.errors import ShardstreamError
@@ -66,7 +67,8 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
                     data = read_range(fs, path, url, shard.offsets[i], shard.offsets[i + 1], key)
                     sample = kind.open(parse_sample(data, url, key), options, url=url, key=key)
                     units = kind.units(shard, options)
-                    for unit in range(1 if units is None else int(units[i])):
+                    every = np.arange(1 if units is None else int(units[i]))
+                    for unit in [every] if kind.grouped else every.tolist():
                         kind.decode(sample, options, unit=unit, seed=0, epoch=0, url=url, key=key)
                 except ShardstreamError as exc:
                     problems.append(str(exc))
