@@ -10,6 +10,7 @@ buffer. `finish` cuts that buffer into one tensor per field (views, exact dtypes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -119,7 +120,7 @@ class EmbeddingsOptions:
     def field(self, name: str) -> Field:
         return next(f for f in self.schema if f.name == name)
 
-    @property
+    @functools.cached_property
     def selected(self) -> tuple[str, ...]:
         return self.fields if self.fields is not None else tuple(f.name for f in self.schema)
 
@@ -301,18 +302,17 @@ def collate(pieces: Sequence[_Rows], options: EmbeddingsOptions) -> dict[str, An
     offsets, total = _offsets(layout, b)
     flat = empty((total,), torch.uint8)
     array = flat.numpy()
+    ends = np.cumsum([len(p.units) for p in pieces]).tolist()
+    spans = list(zip([0] + ends[:-1], ends))
     shipped = []
     for (name, dtype, shape), offset in zip(layout, offsets):
         size = b * math.prod(shape) * storage_dtype(dtype).itemsize
         out = array[offset : offset + size].view(storage_dtype(dtype)).reshape(b, *shape)
-        at = 0
-        for block, units, _ in pieces:
+        cut = shape[:1] != options.field(name).shape[:1] if name != EMB_ROW else False  # a scheduled `take`
+        for (block, units, _), (start, stop) in zip(pieces, spans):
             source = block.columns[name]
-            if shape[:1] != source.shape[1:2]:  # a scheduled `take`
-                source = source[:, : shape[0]]
             # mode="clip": take's fast path (with "raise" it buffers `out`); `decode` checked the indices
-            np.take(source, units, axis=0, out=out[at : at + len(units)], mode="clip")
-            at += len(units)
+            (source[:, : shape[0]] if cut else source).take(units, 0, out[start:stop], "clip")
         shipped.append((name, dtype, (b, *shape), offset))
     return {"buffer": flat, "layout": tuple(shipped)}
 

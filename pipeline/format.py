@@ -171,7 +171,10 @@ def storage_dtype(name: str) -> np.dtype:
     """The little-endian numpy dtype holding a column dtype's values (bfloat16: its uint16 bit patterns)."""
     if name not in COLUMN_DTYPES:
         raise ValueError(f"column dtype {name!r} not allowed; allowed: {list(COLUMN_DTYPES)}")
-    return np.dtype("<u2" if name == BFLOAT16 else name).newbyteorder("<")
+    return _STORAGE_DTYPES[name]
+
+
+_STORAGE_DTYPES = {name: np.dtype("<u2" if name == BFLOAT16 else name).newbyteorder("<") for name in COLUMN_DTYPES}
 
 
 def _column_layout(columns: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], int]:

@@ -131,6 +131,21 @@ class _Source:
 _Where = tuple[int, int]  # a sample: (source, sample number in the source's split)
 
 
+class _Opened(collections.OrderedDict[_Where, tuple[Any, int, str, str]]):
+    """Samples of several units kept open for their next units, (sample, bytes, url, key) each: the
+    least recently used go past `limit` bytes or `count` samples (but the newest)."""
+
+    def __init__(self, limit: int, count: int = 1 << 16) -> None:
+        super().__init__()
+        self.limit, self.count, self.held = limit, count, 0
+
+    def keep(self, where: _Where, entry: tuple[Any, int, str, str]) -> None:
+        self[where] = entry
+        self.held += entry[1]
+        while (self.held > self.limit or len(self) > self.count) and len(self) > 1:
+            self.held -= self.popitem(last=False)[1][1]
+
+
 class _ShardStream(IterableDataset):
     """Yields this worker's collated batches of one split for the epoch held in shared memory."""
 
@@ -151,6 +166,7 @@ class _ShardStream(IterableDataset):
         self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
         self._reader_pid: int | None = None
         self._reader_list: list[ShardReader] = []
+        self._opened = _Opened(config.unit_cache_bytes)
 
     @property
     def kind(self) -> Kind:
@@ -218,9 +234,9 @@ class _ShardStream(IterableDataset):
         plan = plan_epoch([s.sizes for s in self.sources], cfg.seed, epoch, world, batch_size=cfg.batch_size,
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
-        readers = self._readers()
+        readers = self._readers()  # (and self._opened)
         sized: set[tuple[int, int]] = set()  # shards whose size this iteration has checked
-        opened: collections.OrderedDict[_Where, tuple[Any, int, str, str]] = collections.OrderedDict()
+        opened = self._opened
         inflight: dict[_Where, concurrent.futures.Future[bytes | memoryview]] = {}
         prepared: dict[int, tuple[list[_Where], list[tuple[_Where, Any]]]] = {}
         pool = concurrent.futures.ThreadPoolExecutor(cfg.read_threads, thread_name_prefix="shardstream-read")
@@ -291,17 +307,19 @@ class _ShardStream(IterableDataset):
         return batch
 
     def _readers(self) -> list[ShardReader]:
-        """This process's readers: made in the process that reads (filesystems are not fork-safe) and
-        kept for its later iterations (a client costs ~0.1-0.3 s to make)."""
+        """This process's readers and open samples: made in the process that reads (filesystems are
+        not fork-safe) and kept for its later iterations (a client costs ~0.1-0.3 s to make, and a
+        sample opened again costs its checks again)."""
         if self._reader_pid != os.getpid():
             cfg = self.config
             cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None else None
             self._reader_list = [ShardReader(s.root, self.storage_options, cfg.retry, cache) for s in self.sources]
+            self._opened = _Opened(cfg.unit_cache_bytes)
             self._reader_pid = os.getpid()
         return self._reader_list
 
     def __getstate__(self) -> dict[str, Any]:  # (spawned workers make their own readers)
-        return {**self.__dict__, "_reader_pid": None, "_reader_list": []}
+        return {**self.__dict__, "_reader_pid": None, "_reader_list": [], "_opened": None}
 
     def _read(self, reader: ShardReader, where: _Where, sized: set[tuple[int, int]]) -> bytes | memoryview:
         """One sample's bytes (in a reader thread), after checking once per iteration that its shard has
@@ -325,7 +343,7 @@ class _ShardStream(IterableDataset):
         return reader.read(name, source.shard_bytes[shard], source.sha256[shard], start, end, key)
 
     def _open(self, reader: ShardReader, where: _Where, sized: set[tuple[int, int]],
-              opened: collections.OrderedDict[_Where, tuple[Any, int, str, str]],
+              opened: _Opened,
               inflight: dict[_Where, concurrent.futures.Future[bytes | memoryview]]) -> tuple[Any, str, str]:
         """(the opened sample, its shard's URL, its key); a sample of several units is opened once and
         kept (LRU, by bytes) for the rest."""
@@ -341,10 +359,8 @@ class _ShardStream(IterableDataset):
         data = future.result() if future is not None else self._read(reader, where, sized)
         sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key)
         if source.units(index) > 1:
-            opened[where] = (sample, len(data), url, key)
-            held = sum(entry[1] for entry in opened.values())
-            while held > self.config.unit_cache_bytes and len(opened) > 1:
-                held -= opened.popitem(last=False)[1][1]
+            # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
+            opened.keep(where, (sample, len(data) if isinstance(data, bytes) else 0, url, key))
         return sample, url, key
 
 
