@@ -6,9 +6,11 @@ bits (8 to a byte) spares 7/8 of their bytes through shared memory, pinned memor
 last stage, after the device copy, unpacks them (on the GPU when the batch is there).
 
 Fresh shared memory costs a page fault per 4 KiB page on first touch (~4 us each on a VM: a
-quarter of the cost of a 1024-row embeddings batch), so a worker recycles its buffers: `Leases`
-lends a worker's buffers out with each batch, and the main process hands each one back when its
-last tensor there is freed (after the pinned copy, or when the user drops the batch).
+quarter of the cost of a 1024-row embeddings batch), and sending a shared tensor costs a file
+descriptor's round trip between the processes and a new mapping. So a worker recycles its
+buffers (`Leases`): the main process maps each buffer once, each batch travels as (buffer,
+offset, shape), and the main process hands a buffer back when the last tensor of the batch on
+it is freed (after the pinned copy, or when the user drops the batch).
 """
 
 from __future__ import annotations
@@ -27,39 +29,69 @@ __all__ = ["empty", "pack_bits", "unpack_bits", "Leases", "LEASE_SLOTS"]
 
 _BITS = (128, 64, 32, 16, 8, 4, 2, 1)
 LEASE_SLOTS = 16  # buffers a worker keeps for reuse: enough for the batches in flight and one held by the user
-_TABLES: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # main process: token -> table
+_MAIN: weakref.WeakValueDictionary[int, Leases] = weakref.WeakValueDictionary()  # in the main process, by token
 _pool: _Pool | None = None  # the pool `empty` takes from in this worker, while a batch is collated
 
 
 class Leases:
-    """Shared-memory buffers lent with batches: a table, made in the main process before the workers
+    """Shared-memory buffers lent with batches. A table, made in the main process before the workers
     start, holds per worker and slot the id of the lease out (0: free). A worker reuses a buffer
-    only once the main process has freed every tensor on it (its finalizer zeroes the entry)."""
+    only once the main process has freed every tensor on it (a finalizer zeroes the entry)."""
 
     def __init__(self, workers: int) -> None:
         self.table = torch.zeros(workers, LEASE_SLOTS, dtype=torch.int64).share_memory_()
         self.token = random.SystemRandom().getrandbits(62)
-        _TABLES[self.token] = self.table
+        self._mapped: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # main: (worker, slot) -> (serial, buffer)
+        self._storages: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
+        _MAIN[self.token] = self
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"table": self.table, "token": self.token, "_mapped": {}, "_storages": None}
 
     @contextlib.contextmanager
-    def collating(self, worker: int) -> Iterator[list[tuple[int, int, torch.Tensor]]]:
-        """Within: `empty` takes this worker's free buffers; yields the leases taken (slot, id, buffer)."""
+    def collating(self, worker: int) -> Iterator[None]:
+        """Within: `empty` takes this worker's free buffers."""
         global _pool
-        pool = _Pool.of(self, worker)
-        taken: list[tuple[int, int, torch.Tensor]] = []
-        _pool, pool.taken = pool, taken
+        _pool = _Pool.of(self, worker)
         try:
-            yield taken
+            yield
         finally:
-            _pool, pool.taken = None, None
+            _pool = None
 
-    def lend(self, worker: int, taken: list[tuple[int, int, torch.Tensor]]) -> _Lent:
-        """What goes with the batch: unpickled in the main process, it frees the slots with the buffers."""
-        return _Lent(self.token, worker, taken)
+    def lend(self, worker: int, batch: Any) -> None:
+        """Replace the batch's tensors on buffers taken since the last call by what travels in their
+        place (`_Lent`); a taken buffer the batch does not hold at its top level leaves the pool."""
+        pool = _Pool.of(self, worker)
+        taken, pool.taken = pool.taken, []
+        slots = {pool.buffers[slot].untyped_storage().data_ptr(): (slot, lease) for slot, lease in taken}
+        kept = set()
+        for name, value in batch.items() if isinstance(batch, dict) else ():
+            if isinstance(value, torch.Tensor) and value.is_contiguous():
+                hit = slots.get(value.untyped_storage().data_ptr())
+                if hit is not None:
+                    slot, lease = hit
+                    first = slot not in pool.sent
+                    pool.sent.add(slot)
+                    batch[name] = _Lent(self.token, worker, slot, lease, pool.serials[slot],
+                                        pool.buffers[slot] if first else None,
+                                        value.storage_offset() * value.element_size(), tuple(value.shape), value.dtype)
+                    kept.add(slot)
+        pool.forget([slot for slot, _ in taken if slot not in kept])
 
-    def forget(self, worker: int, taken: list[tuple[int, int, torch.Tensor]]) -> None:
-        """The batch cannot carry its leases (not a dict): its buffers leave the pool for good."""
-        _Pool.of(self, worker).forget(taken)
+    def _tensor(self, worker: int, slot: int, lease: int, serial: int, buffer: torch.Tensor | None, offset: int,
+                shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """In the main process: a lent tensor over the mapped buffer, on a storage of the lease's own."""
+        if buffer is not None:
+            self._mapped[(worker, slot)] = (serial, buffer.numpy())
+        mapped = self._mapped.get((worker, slot))
+        if mapped is None or mapped[0] != serial:
+            raise RuntimeError(f"shardstream: DataLoader worker {worker}'s buffer {slot} arrived before its mapping")
+        storage = self._storages.get(lease)
+        if storage is None:
+            storage = self._storages[lease] = torch.frombuffer(mapped[1], dtype=torch.uint8).untyped_storage()
+            weakref.finalize(storage, _release, self.table[worker].numpy(), slot, lease)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (nbytes,), (1,)).view(dtype).view(shape)
 
 
 class _Pool:
@@ -72,7 +104,9 @@ class _Pool:
         self.flags[:] = 0  # (an earlier worker's leases still out are told apart by their ids)
         self.buffers: list[torch.Tensor | None] = [None] * LEASE_SLOTS
         self.ids = random.Random(random.SystemRandom().getrandbits(64))
-        self.taken: list[tuple[int, int, torch.Tensor]] | None = None
+        self.serials = [0] * LEASE_SLOTS  # which buffer a slot holds (the main process maps each once)
+        self.sent: set[int] = set()  # slots whose buffer the main process has been sent
+        self.taken: list[tuple[int, int]] = []  # (slot, lease) since the last `lend`
 
     @classmethod
     def of(cls, leases: Leases, worker: int) -> _Pool:
@@ -91,38 +125,40 @@ class _Pool:
         elif free:
             slot = next((s for s in free if self.buffers[s] is None), free[0])
             self.buffers[slot] = torch.empty(nbytes + nbytes // 8, dtype=torch.uint8).share_memory_()
+            self.serials[slot] = self.ids.getrandbits(62)
+            self.sent.discard(slot)
         else:
             return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
         lease = self.ids.getrandbits(62) + 1
         self.flags[slot] = lease
+        self.taken.append((slot, lease))
         buffer = self.buffers[slot]
-        assert self.taken is not None and buffer is not None
-        self.taken.append((slot, lease, buffer))
+        assert buffer is not None
         return buffer
 
-    def forget(self, taken: list[tuple[int, int, torch.Tensor]]) -> None:
-        for slot, _, _ in taken:
+    def forget(self, slots: list[int]) -> None:
+        """These buffers went with a batch as plain tensors: they are the batch's now."""
+        for slot in slots:
             self.buffers[slot] = None
             self.flags[slot] = 0
 
 
 class _Lent:
-    """A batch's leases on their way to the main process, where they become a finalizer per buffer."""
+    """A tensor on a lent buffer, on its way to the main process: (buffer, offset, shape, dtype), and
+    the buffer itself the first time."""
 
-    def __init__(self, token: int, worker: int, taken: list[tuple[int, int, torch.Tensor]]) -> None:
-        self.token, self.worker, self.taken = token, worker, taken
+    def __init__(self, token: int, *args: Any) -> None:
+        self.token, self.args = token, args
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _received, (self.token, self.worker, self.taken)
+        return _received, (self.token, *self.args)
 
 
-def _received(token: int, worker: int, taken: list[tuple[int, int, torch.Tensor]]) -> None:
-    table = _TABLES.get(token)
-    if table is None:  # not unpickled by the process that made the table: the slots stay taken
-        return
-    flags = table[worker].numpy()
-    for slot, lease, buffer in taken:
-        weakref.finalize(buffer.untyped_storage(), _release, flags, slot, lease)
+def _received(token: int, *args: Any) -> torch.Tensor:
+    leases = _MAIN.get(token)
+    if leases is None:
+        raise RuntimeError("shardstream: a lent batch buffer unpickled outside the process that made the loader")
+    return leases._tensor(*args)
 
 
 def _release(flags: np.ndarray, slot: int, lease: int) -> None:

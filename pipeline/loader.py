@@ -298,12 +298,9 @@ class _ShardStream(IterableDataset):
     def _collate(self, samples: list[Any], world: World) -> Any:
         if self.leases is None or get_worker_info() is None:
             return self.kind.collate(samples, self.options)
-        with self.leases.collating(world.worker) as taken:
+        with self.leases.collating(world.worker):
             batch = self.kind.collate(samples, self.options)
-        if isinstance(batch, dict):
-            batch["leases"] = self.leases.lend(world.worker, taken)
-        elif taken:
-            self.leases.forget(world.worker, taken)
+        self.leases.lend(world.worker, batch)
         return batch
 
     def _readers(self) -> list[ShardReader]:
@@ -461,8 +458,6 @@ class StreamLoader:
 def _raise_worker_errors(batch: Any) -> dict[str, Any]:
     if isinstance(batch, _WorkerError):
         raise batch.error
-    if isinstance(batch, dict):
-        batch.pop("leases", None)  # (done its work when the batch arrived: see collate.Leases)
     return batch
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import gc
+import pickle
 
 import torch
+import torch.multiprocessing  # noqa: F401  (registers the reductions that share tensors)
+from multiprocessing.reduction import ForkingPickler
 
 from pipeline import collate, make_stream_loader
 from pipeline.collate import LEASE_SLOTS, Leases
@@ -12,32 +15,61 @@ from pipeline.collate import LEASE_SLOTS, Leases
 SMALL = dict(image_size=64, mask_size=32, max_masks=5)
 
 
-def test_a_pool_reuses_what_comes_back_and_never_what_is_out():
+def _send(leases: Leases, batch: dict) -> tuple[dict, int]:
+    """A worker's batch as the main process receives it (the same pickling), and its size on the wire."""
+    leases.lend(0, batch)
+    wire = ForkingPickler.dumps(batch)
+    return pickle.loads(wire), len(wire)
+
+
+def _collated(leases: Leases, **sizes: int) -> dict:
+    with leases.collating(0):
+        return {name: collate._pool.take(n)[:n] for name, n in sizes.items()}
+
+
+def test_buffers_are_mapped_once_and_reused_only_once_handed_back():
+    leases = Leases(1)
+    first = _collated(leases, a=1000, b=500)
+    first["a"][:] = 7
+    where = first["a"].data_ptr()
+    got, size = _send(leases, first)
+    pool = collate._Pool.of(leases, 0)
+    assert torch.equal(got["a"], torch.full((1000,), 7, dtype=torch.uint8)) and got["b"].numel() == 500
+    assert (pool.flags[:2] != 0).all(), "both buffers are out"
+    again = _collated(leases, a=1000)
+    assert again["a"].data_ptr() != where, "a buffer out is not reused"
+    del got
+    gc.collect()
+    assert pool.flags[0] == 0 and pool.flags[1] == 0, "handed back once the main process dropped the batch"
+    third = _collated(leases, a=900)
+    assert third["a"].data_ptr() == where, "the smallest free buffer that fits"
+    third["a"][:] = 9
+    got, resent = _send(leases, third)
+    assert resent < size / 2 and torch.equal(got["a"], torch.full((900,), 9, dtype=torch.uint8)), \
+        "a buffer already mapped travels as its place only"
+    view = got["a"][:10]
+    del got
+    gc.collect()
+    assert pool.flags[0] != 0, "any view of the batch keeps its buffer out"
+    lease = int(pool.flags[0])
+    collate._release(pool.flags, 0, lease + 1)  # a stale finalizer (a lease of an earlier worker)
+    assert pool.flags[0] == lease
+    del view
+    gc.collect()
+    assert pool.flags[0] == 0
+
+
+def test_a_batch_holding_buffers_elsewhere_than_at_its_top_level_takes_them_along():
     leases = Leases(1)
     pool = collate._Pool.of(leases, 0)
-    with leases.collating(0) as taken:
-        a = collate._pool.take(1000)
-        b = collate._pool.take(500)
-    assert [slot for slot, _, _ in taken] == [0, 1] and a.numel() >= 1000 and b.numel() >= 500
-    assert all(pool.flags[slot] == lease for slot, lease, _ in taken)
-    collate._received(leases.token, 0, taken)  # as the main process does on receiving them
-    (slot_a, lease_a, _), (slot_b, lease_b, _) = taken
-    del a, taken, b
-    gc.collect()
-    assert pool.flags[slot_a] == lease_a, "the pool still holds its buffer: not handed back"
-    pool.buffers[slot_a] = None  # (in a worker, the main process's copy of the buffer is another object)
-    gc.collect()
-    assert pool.flags[slot_a] == 0 and pool.flags[slot_b] == lease_b
-    with leases.collating(0) as taken:
-        c = collate._pool.take(400)  # the smallest free buffer that fits: a new one in slot 0
-        d = collate._pool.take(600)
-    assert [slot for slot, _, _ in taken] == [0, 2] and c.data_ptr() != d.data_ptr()
-    collate._release(pool.flags, 0, lease_a)  # a stale finalizer: not this slot's lease any more
-    assert pool.flags[0] == taken[0][1]
-    pool.flags[:] = 1  # every slot out: a buffer outside the pool, no lease
-    with leases.collating(0) as taken:
-        collate._pool.take(10)
-    assert taken == []
+    nested = _collated(leases, a=100)
+    batch = {"nested": [nested["a"]]}
+    leases.lend(0, batch)
+    assert pool.buffers[0] is None and pool.flags[0] == 0 and isinstance(batch["nested"][0], torch.Tensor)
+    pool.flags[:] = 1  # every slot out: a buffer outside the pool, sent as a plain tensor
+    full = _collated(leases, a=10)
+    leases.lend(0, full)
+    assert isinstance(full["a"], torch.Tensor) and pool.buffers[0] is None
 
 
 def test_held_batches_stay_intact_and_dropped_ones_come_back(sa1b_dataset):
