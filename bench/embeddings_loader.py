@@ -10,8 +10,9 @@ Data (cached in .cache/bench-embeddings/): `question_emb` and `steering` (N, 768
     numpy fancy indexing from memory-mapped .npy files (page cache warm), times the cores.
 (a0) the same loader with num_workers=0 (in the main process: no batch crosses processes).
 (c) transport ceiling: a DataLoader with the same workers that reads nothing and only ships
-    batches of the same bytes to the main process the way the loader does (one shared-memory
-    buffer per batch, filled by a copy): what process-based loading can reach on this machine.
+    batches of the same bytes to the main process the way the loader does (recycled shared-memory
+    buffers, `pipeline.collate.Leases`, filled by a copy): what process-based loading can reach here.
+(c0) the same with a fresh shared-memory buffer per batch (the default way of torch's DataLoader).
 Each runs in its own subprocess. Figures are medians over repeats (after a warm-up); compare
 them as a ratio within one run, never across machines.
 """
@@ -107,11 +108,11 @@ def run_floor(data: pathlib.Path, batch_size: int, cores: int) -> dict:
     return {"rate": per_process * cores, "per_process": per_process}
 
 
-def run_transport(data: pathlib.Path, workers: int, batch_size: int, epochs: int) -> dict:
+def run_transport(data: pathlib.Path, workers: int, batch_size: int, epochs: int, recycle: bool) -> dict:
     import torch
     from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-    from pipeline.collate import empty
+    from pipeline.collate import Leases, empty
     from pipeline.format import Manifest
 
     manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
@@ -123,9 +124,18 @@ def run_transport(data: pathlib.Path, workers: int, batch_size: int, epochs: int
             info = get_worker_info()
             source = np.ones(nbytes, np.uint8)
             for _ in range(info.id, batches, info.num_workers):
-                buffer = empty((nbytes,), torch.uint8)
-                buffer.numpy()[:] = source
-                yield {"buffer": buffer}
+                if leases is None:
+                    buffer = empty((nbytes,), torch.uint8)
+                    buffer.numpy()[:] = source
+                    yield {"buffer": buffer}
+                    continue
+                with leases.collating(info.id):
+                    batch = {"buffer": empty((nbytes,), torch.uint8)}
+                batch["buffer"].numpy()[:] = source
+                leases.lend(info.id, batch)
+                yield batch
+
+    leases = Leases(workers) if recycle else None
 
     loader = DataLoader(ShipOnly(), batch_size=None, num_workers=workers, persistent_workers=True)
     rates = []
@@ -151,14 +161,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs of the loader (after one warm-up)")
-    parser.add_argument("--only", choices=["loader", "floor", "transport"])
+    parser.add_argument("--only", choices=["loader", "floor", "transport", "fresh"])
     parser.add_argument("--data", type=pathlib.Path)
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     if args.only:
         run = {"loader": lambda: run_loader(args.data, args.workers, args.batch_size, args.epochs),
                "floor": lambda: run_floor(args.data, args.batch_size, cores),
-               "transport": lambda: run_transport(args.data, args.workers, args.batch_size, args.epochs)}[args.only]
+               "transport": lambda: run_transport(args.data, args.workers, args.batch_size, args.epochs, True),
+               "fresh": lambda: run_transport(args.data, args.workers, args.batch_size, args.epochs, False)}[args.only]
         print(json.dumps(run()))
         return
 
@@ -170,11 +181,13 @@ def main() -> None:
     loader = _child("loader", data, args)
     in_process = _child("loader", data, args, workers=0)
     transport = _child("transport", data, args)
+    fresh = _child("fresh", data, args)
     print(f"{'method':<72}{'rows/s':>12}")
     for label, rate in ((f"(b) floor: numpy gathers from memory-mapped .npy, 1 process x {cores} cores", floor["rate"]),
                         (f"(a) make_stream_loader, num_workers={args.workers}", loader["rate"]),
                         ("(a0) make_stream_loader, num_workers=0", in_process["rate"]),
-                        (f"(c) transport ceiling: {args.workers} workers only ship the same bytes", transport["rate"])):
+                        (f"(c) transport ceiling: {args.workers} workers only ship the same bytes", transport["rate"]),
+                        ("(c0) the same, a fresh shared-memory buffer per batch", fresh["rate"])):
         print(f"{label:<72}{rate:>12,.0f}")
     print(f"floor per process: {floor['per_process']:,.0f} rows/s; loader epochs: "
           f"{', '.join(f'{r:,.0f}' for r in loader['rates'])} rows/s; time to first batch {loader['first_batch_s']:.2f} s")
