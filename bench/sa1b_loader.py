@@ -81,7 +81,8 @@ def packed_samples(shards: pathlib.Path, split: str = "train"):  # -> Iterator[t
     for shard in manifest.splits[split]:
         blob = (shards / shard.name).read_bytes()
         for i, key in enumerate(shard.keys):
-            yield key, parse_sample(blob[shard.offsets[i] : shard.offsets[i + 1]], shard.name, key)
+            members = parse_sample(blob[shard.offsets[i] : shard.offsets[i + 1]], shard.name, key)
+            yield key, {ext: bytes(view) for ext, view in members.items()}
 
 
 def run_loader(data: pathlib.Path, workers: int, epochs: int) -> dict:
