@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.ma  # noqa: F401  (np.unique imports it on first use: ~0.1 s of each worker's first batch)
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -235,7 +236,7 @@ class _ShardStream(IterableDataset):
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
         readers = self._readers()  # (and self._opened)
-        sized: set[tuple[int, int]] = set()  # shards whose size this iteration has checked
+        sized: dict[tuple[int, int], concurrent.futures.Future[None]] = {}  # shards' size checks, this iteration
         opened = self._opened
         inflight: dict[_Where, concurrent.futures.Future[bytes | memoryview]] = {}
         prepared: dict[int, tuple[list[_Where], list[tuple[_Where, Any]]]] = {}
@@ -247,11 +248,11 @@ class _ShardStream(IterableDataset):
                     prepared[later] = self._prepare(*plan[later][1:])
                     for where in prepared[later][0]:
                         if where not in opened and where not in inflight:
-                            inflight[where] = pool.submit(self._read, readers[where[0]], where, sized)
+                            self._submit(pool, readers[where[0]], where, sized, inflight)
                 pieces = []
                 for where, unit in prepared.pop(i)[1]:
                     try:
-                        sample, url, key = self._open(readers[where[0]], where, sized, opened, inflight)
+                        sample, url, key = self._open(pool, readers[where[0]], where, sized, opened, inflight)
                         pieces.append(self.kind.decode(sample, self.options, unit=unit, seed=cfg.seed, epoch=epoch,
                                                        url=url, key=key))
                     except ShardstreamError as exc:
@@ -318,20 +319,32 @@ class _ShardStream(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:  # (spawned workers make their own readers)
         return {**self.__dict__, "_reader_pid": None, "_reader_list": [], "_opened": None}
 
-    def _read(self, reader: ShardReader, where: _Where, sized: set[tuple[int, int]]) -> bytes | memoryview:
-        """One sample's bytes (in a reader thread), after checking once per iteration that its shard has
-        the size the manifest says (a shard replaced or cut since packing is named at once; the cache
-        checks cached shards' SHA-256 instead)."""
+    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, reader: ShardReader, where: _Where,
+                sized: dict[tuple[int, int], concurrent.futures.Future[None]],
+                inflight: dict[_Where, concurrent.futures.Future[bytes | memoryview]]) -> None:
+        """Ask for a sample's bytes and, the first time in this iteration, beside them for its
+        shard's size: a shard replaced or cut since packing is named at once (the cache checks
+        cached shards' SHA-256 instead)."""
+        number, sample = where
+        shard, _ = self.sources[number].where(sample)
+        if reader.cache is None and (number, shard) not in sized:
+            sized[(number, shard)] = pool.submit(self._check_size, reader, number, shard, sample)
+        inflight[where] = pool.submit(self._read, reader, where)
+
+    def _check_size(self, reader: ShardReader, number: int, shard: int, sample: int) -> None:
+        source = self.sources[number]
+        name, key = source.names[shard], source.keys[shard][source.where(sample)[1]]
+        size = reader.size(name, key)
+        if size != source.shard_bytes[shard]:
+            raise ShardError(join(source.root, name), f"sample {key!r}: shard is {size} bytes, the manifest says "
+                             f"{source.shard_bytes[shard]}")
+
+    def _read(self, reader: ShardReader, where: _Where) -> bytes | memoryview:
+        """One sample's bytes (in a reader thread)."""
         number, sample = where
         source = self.sources[number]
         shard, index = source.where(sample)
         name, key = source.names[shard], source.keys[shard][index]
-        if reader.cache is None and (number, shard) not in sized:
-            size = reader.size(name, key)
-            if size != source.shard_bytes[shard]:
-                raise ShardError(join(source.root, name), f"sample {key!r}: shard is {size} bytes, the manifest says "
-                                 f"{source.shard_bytes[shard]}")
-            sized.add((number, shard))
         start, end = (int(o) for o in source.offsets[shard][index : index + 2])
         limits = self.config.limits
         if end - start > limits.max_sample_bytes:
@@ -339,8 +352,8 @@ class _ShardStream(IterableDataset):
                              f"max_sample_bytes={limits.max_sample_bytes}")
         return reader.read(name, source.shard_bytes[shard], source.sha256[shard], start, end, key)
 
-    def _open(self, reader: ShardReader, where: _Where, sized: set[tuple[int, int]],
-              opened: _Opened,
+    def _open(self, pool: concurrent.futures.ThreadPoolExecutor, reader: ShardReader, where: _Where,
+              sized: dict[tuple[int, int], concurrent.futures.Future[None]], opened: _Opened,
               inflight: dict[_Where, concurrent.futures.Future[bytes | memoryview]]) -> tuple[Any, str, str]:
         """(the opened sample, its shard's URL, its key); a sample of several units is opened once and
         kept (LRU, by bytes) for the rest."""
@@ -352,8 +365,12 @@ class _ShardStream(IterableDataset):
         source = self.sources[number]
         shard, at = source.where(index)
         url, key = join(source.root, source.names[shard]), source.keys[shard][at]
-        future = inflight.pop(where, None)
-        data = future.result() if future is not None else self._read(reader, where, sized)
+        if where not in inflight:  # (dropped from the open samples since its read was asked for)
+            self._submit(pool, reader, where, sized, inflight)
+        future = inflight.pop(where)
+        if (number, shard) in sized:
+            sized[(number, shard)].result()
+        data = future.result()
         sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key)
         if source.units(index) > 1:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.

@@ -21,6 +21,7 @@ import fcntl
 import functools
 import glob
 import hashlib
+import json
 import logging
 import mmap
 import os
@@ -106,21 +107,34 @@ def join(root: str, name: str) -> str:
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and path of a URL, with s3fs's and botocore's retries off unless the options set
-    them (`Retry` is the one retry layer). Call it in the process that reads: filesystems are not fork-safe."""
+    them (`Retry` is the one retry layer). Call it in the process that reads: filesystems are not fork-safe.
+
+    An s3 filesystem is made once per process, options and AWS_* environment (what botocore reads)
+    and kept, its listings cache off so that nothing it answers goes stale: its client costs
+    ~0.1-0.2 s to make, and one inherited by a forked worker must never be collected there (s3fs's
+    finalizer would wait a second for the parent's event loop, then print "attached to a different
+    loop")."""
     options = dict(storage_options or {})
-    s3 = url.startswith(("s3://", "s3a://"))
-    if s3:
+    if not url.startswith(("s3://", "s3a://")):
+        return url_to_fs(url, **options)
+    aws = sorted((name, value) for name, value in os.environ.items() if name.startswith("AWS_"))
+    key = (os.getpid(), json.dumps([options, aws], sort_keys=True, default=repr))
+    fs = _FILESYSTEMS.get(key)
+    if fs is None:
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": 1})
         options["config_kwargs"] = config
         options.setdefault("skip_instance_cache", True)  # our instance: its `retries` below is ours to set
+        options.setdefault("use_listings_cache", False)
         options.setdefault("session", _botocore_session())
-    fs, path = url_to_fs(url, **options)
-    if s3 and "retries" not in options:
-        fs.retries = 1  # s3fs's own loop: one try
-    return fs, path
+        fs, _ = url_to_fs(url, **options)
+        if "retries" not in options:
+            fs.retries = 1  # s3fs's own loop: one try
+        fs = _FILESYSTEMS.setdefault(key, fs)
+    return fs, fs._strip_protocol(url)
 
 
+_FILESYSTEMS: dict[tuple[int, str], fsspec.AbstractFileSystem] = {}  # s3: by process and options, never dropped
 _SESSION: list[Any] = []  # the process's aiobotocore session
 
 

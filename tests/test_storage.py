@@ -3,10 +3,13 @@ streaming from s3://, range reads, the shard cache, and every fault mode of the 
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import multiprocessing
 import os
 import pathlib
 import uuid
+import weakref
 
 import pytest
 import s3fs
@@ -82,6 +85,31 @@ def test_workers_open_their_own_filesystems(remote, sa1b_dataset, server, contex
     local = _epoch(sa1b_dataset, num_workers=2)
     _same(_epoch(remote, num_workers=2, multiprocessing_context=context,
                  storage_options=storage_options(server.endpoint)), local)
+
+
+def _alive_after_collection(ref: weakref.ref, out) -> None:
+    gc.collect()
+    out.put(ref() is not None)
+
+
+def test_filesystems_are_kept_per_process_and_never_collected_in_a_forked_child(remote, server):
+    """s3fs's finalizer of a filesystem collected in a forked child waits a second for the parent's
+    event loop, then prints "attached to a different loop" (and it ran in DataLoader workers)."""
+    url, options = f"{remote}/manifest.json", storage_options(server.endpoint)
+    fs, path = filesystem(url, options)
+    assert fs.size(path) > 0 and filesystem(url, options)[0] is fs, "one per process and options"
+    ref = weakref.ref(fs)
+    del fs
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_alive_after_collection, args=(ref, out))
+    child.start()
+    assert out.get(timeout=30), "the parent's filesystem, collected in the child"
+    child.join()
+    forked = context.Process(target=lambda: filesystem(url, options)[0] is not ref() or os._exit(3))
+    forked.start()
+    forked.join()
+    assert forked.exitcode == 0, "a forked child makes its own filesystem"
 
 
 def test_pack_to_s3_is_byte_identical_to_local(sa1b_src, tmp_path, server, monkeypatch):
