@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs of the loader (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="floor and loader runs, alternating")
     parser.add_argument("--only", choices=["loader", "floor", "transport", "fresh"])
     parser.add_argument("--data", type=pathlib.Path)
     args = parser.parse_args()
@@ -177,8 +178,9 @@ def main() -> None:
     size = sum(p.stat().st_size for p in (data / "shards").glob("*.tar"))
     print(f"data: {args.rows} rows, D={D} float16, K={K} negatives + 4 scalar fields, 95% train; shards "
           f"{size / 1e9:.2f} GB; batch {args.batch_size}, num_workers={args.workers}, cores={cores}", flush=True)
-    floor = _child("floor", data, args)
-    loader = _child("loader", data, args)
+    rounds = [(_child("floor", data, args), _child("loader", data, args)) for _ in range(args.rounds)]
+    ratios = [b["rate"] / a["rate"] for a, b in rounds]
+    floor, loader = (sorted(runs, key=lambda r: r["rate"])[len(runs) // 2] for runs in zip(*rounds))
     in_process = _child("loader", data, args, workers=0)
     transport = _child("transport", data, args)
     fresh = _child("fresh", data, args)
@@ -191,7 +193,9 @@ def main() -> None:
         print(f"{label:<72}{rate:>12,.0f}")
     print(f"floor per process: {floor['per_process']:,.0f} rows/s; loader epochs: "
           f"{', '.join(f'{r:,.0f}' for r in loader['rates'])} rows/s; time to first batch {loader['first_batch_s']:.2f} s")
-    print(f"loader / floor = {loader['rate'] / floor['rate']:.0%} (target >= 50%); loader / transport ceiling = "
+    print(f"loader / floor = {statistics.median(ratios):.0%} (target >= 50%; median of {args.rounds} rounds, each the "
+          f"loader beside the floor run just before it: {', '.join(f'{r:.0%}' for r in ratios)})")
+    print(f"loader / transport ceiling = "
           f"{loader['rate'] / transport['rate']:.0%}; transport ceiling / floor = {transport['rate'] / floor['rate']:.0%}")
 
 
