@@ -277,8 +277,8 @@ def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: st
 
 def decode(block: Block, options: EmbeddingsOptions, *, unit: np.ndarray, seed: int, epoch: int, url: str,
            key: str) -> _Rows:
-    """The batch's rows of one block, as a reference: `collate` gathers them."""
-    if unit.min() < 0 or unit.max() >= block.rows:
+    """The batch's rows of one block (each >= 0: the plan's), as a reference: `collate` gathers them."""
+    if unit.max() >= block.rows:
         raise SampleError(url, key, None, f"row {int(unit.max())} of a block of {block.rows} rows (the manifest says more)")
     return _Rows(block, unit, epoch)
 
