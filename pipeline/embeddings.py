@@ -71,6 +71,7 @@ class Field:
 
 
 _ROW_FIELD = ("int64", ())
+_SMALL_BYTES = 16  # per row: fields this small are gathered together
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,14 @@ class EmbeddingsOptions:
     def takes(self, epoch: int) -> dict[str, int]:
         """The leading entries each scheduled field keeps in `epoch`."""
         return {name: self._take(name, value(epoch) if callable(value) else value, epoch) for name, value in self.take}
+
+    @functools.cached_property
+    def small(self) -> np.dtype:
+        """The record of a row's small fields (a few bytes each: `row` and the scalars), which a block
+        keeps side by side so that a batch gathers them with one `take` per block, not one per field."""
+        fields = [(EMB_ROW, *_ROW_FIELD)] + [(f.name, f.dtype, f.shape) for f in self.schema if f.name in self.selected]
+        return np.dtype([(name, storage_dtype(dtype), shape) for name, dtype, shape in fields
+                         if math.prod(shape) * storage_dtype(dtype).itemsize <= _SMALL_BYTES])
 
     def layout(self, epoch: int) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         """(name, dtype, shape per row) of each field of a batch in `epoch`, `row` first."""
@@ -202,6 +211,7 @@ class Block:
     key: str
     rows: int
     columns: Mapping[str, np.ndarray]
+    small: np.ndarray  # the small fields side by side (`EmbeddingsOptions.small`): a copy, made when opened
 
 
 class _Rows(NamedTuple):
@@ -272,7 +282,10 @@ def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: st
                 raise SampleError(url, key, field.name, f"row {int(rows[row])}: value {value}: {what}")
         if field.name in options.selected:
             kept[field.name] = values
-    return Block(url, key, n, kept)
+    small = np.empty(n, options.small)
+    for name in options.small.names:
+        small[name] = kept[name]
+    return Block(url, key, n, kept, small)
 
 
 def decode(block: Block, options: EmbeddingsOptions, *, unit: np.ndarray, seed: int, epoch: int, url: str,
@@ -304,16 +317,22 @@ def collate(pieces: Sequence[_Rows], options: EmbeddingsOptions) -> dict[str, An
     array = flat.numpy()
     ends = np.cumsum([len(p.units) for p in pieces]).tolist()
     spans = list(zip([0] + ends[:-1], ends))
+    small = np.empty(b, options.small)
+    for (block, units, _), (start, stop) in zip(pieces, spans):
+        block.small.take(units, 0, small[start:stop], "clip")
     shipped = []
     for (name, dtype, shape), offset in zip(layout, offsets):
         size = b * math.prod(shape) * storage_dtype(dtype).itemsize
         out = array[offset : offset + size].view(storage_dtype(dtype)).reshape(b, *shape)
-        cut = shape[:1] != options.field(name).shape[:1] if name != EMB_ROW else False  # a scheduled `take`
+        shipped.append((name, dtype, (b, *shape), offset))
+        if name in options.small.names:
+            out[...] = small[name]
+            continue
+        cut = shape[:1] != options.field(name).shape[:1]  # a scheduled `take`
         for (block, units, _), (start, stop) in zip(pieces, spans):
             source = block.columns[name]
             # mode="clip": take's fast path (with "raise" it buffers `out`); `decode` checked the indices
             (source[:, : shape[0]] if cut else source).take(units, 0, out[start:stop], "clip")
-        shipped.append((name, dtype, (b, *shape), offset))
     return {"buffer": flat, "layout": tuple(shipped)}
 
 

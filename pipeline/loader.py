@@ -280,10 +280,13 @@ class _ShardStream(IterableDataset):
     def _prepare(self, sources: np.ndarray, ids: np.ndarray) -> tuple[list[_Where], list[tuple[_Where, Any]]]:
         """A batch's samples, in order of first use, and what to decode: (sample, unit) for each unit,
         in plan order, or for a kind that decodes by sample, (sample, its units) for each sample."""
-        samples, units = np.empty_like(ids), np.empty_like(ids)
-        for number in np.unique(sources).tolist():
-            mine = sources == number
-            samples[mine], units[mine] = self.sources[number].locate(ids[mine])
+        if len(self.sources) == 1:
+            samples, units = self.sources[0].locate(ids)
+        else:
+            samples, units = np.empty_like(ids), np.empty_like(ids)
+            for number in np.unique(sources).tolist():
+                mine = sources == number
+                samples[mine], units[mine] = self.sources[number].locate(ids[mine])
         codes = sources << 40 | samples
         unique, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
         appearance = np.argsort(first)
