@@ -211,7 +211,7 @@ class Block:
     key: str
     rows: int
     columns: Mapping[str, np.ndarray]
-    small: np.ndarray  # the small fields side by side (`EmbeddingsOptions.small`): a copy, made when opened
+    small: np.ndarray  # (rows, bytes): each row's small fields side by side (`EmbeddingsOptions.small`), a copy
 
 
 class _Rows(NamedTuple):
@@ -251,9 +251,11 @@ def value_problem(values: np.ndarray, dtype: str, field: Field, finite: bool) ->
     return None
 
 
-def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: str, key: str) -> Block:
+def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: str, key: str,
+               units: int | None = None) -> Block:
     """A block's columns as views, after checking them against the schema (fields, dtypes, shapes,
-    declared ranges and references; NaN/Inf too with `check_values`)."""
+    declared ranges and references; NaN/Inf too with `check_values`) and its rows against the
+    `units` the manifest says it has."""
     if set(members) != {EMB_TABLE, EMB_DATA}:
         raise SampleError(url, key, None, f"members {sorted(members)}, expected {sorted([EMB_TABLE, EMB_DATA])}")
     try:
@@ -267,6 +269,8 @@ def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: st
     n = len(rows)
     if n < 1 or dtype != "int64" or rows.ndim != 1:
         raise SampleError(url, key, EMB_ROW, f"want int64 row indices of at least one row, got {dtype}{list(rows.shape)}")
+    if units is not None and n != units:
+        raise SampleError(url, key, EMB_ROW, f"{n} rows, the manifest says {units}")
     if rows.min() < 0 or rows.max() >= options.rows:
         raise SampleError(url, key, EMB_ROW, f"row indices outside [0, {options.rows})")
     kept = {EMB_ROW: rows}
@@ -285,14 +289,13 @@ def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: st
     small = np.empty(n, options.small)
     for name in options.small.names:
         small[name] = kept[name]
-    return Block(url, key, n, kept, small)
+    return Block(url, key, n, kept, small.view(np.uint8).reshape(n, options.small.itemsize))
 
 
 def decode(block: Block, options: EmbeddingsOptions, *, unit: np.ndarray, seed: int, epoch: int, url: str,
            key: str) -> _Rows:
-    """The batch's rows of one block (each >= 0: the plan's), as a reference: `collate` gathers them."""
-    if unit.max() >= block.rows:
-        raise SampleError(url, key, None, f"row {int(unit.max())} of a block of {block.rows} rows (the manifest says more)")
+    """The batch's rows of one block, as a reference: `collate` gathers them. (The plan gives rows
+    below the manifest's count, which `open_block` checked against the block's.)"""
     return _Rows(block, unit, epoch)
 
 
@@ -317,7 +320,7 @@ def collate(pieces: Sequence[_Rows], options: EmbeddingsOptions) -> dict[str, An
     array = flat.numpy()
     ends = np.cumsum([len(p.units) for p in pieces]).tolist()
     spans = list(zip([0] + ends[:-1], ends))
-    small = np.empty(b, options.small)
+    small = np.empty((b, options.small.itemsize), np.uint8)  # (plain bytes: a structured dtype's take is slow)
     for (block, units, _), (start, stop) in zip(pieces, spans):
         block.small.take(units, 0, small[start:stop], "clip")
     shipped = []
@@ -326,7 +329,8 @@ def collate(pieces: Sequence[_Rows], options: EmbeddingsOptions) -> dict[str, An
         out = array[offset : offset + size].view(storage_dtype(dtype)).reshape(b, *shape)
         shipped.append((name, dtype, (b, *shape), offset))
         if name in options.small.names:
-            out[...] = small[name]
+            at = options.small.fields[name][1]
+            out[...] = small[:, at : at + out[0].nbytes].view(storage_dtype(dtype)).reshape(out.shape)
             continue
         cut = shape[:1] != options.field(name).shape[:1]  # a scheduled `take`
         for (block, units, _), (start, stop) in zip(pieces, spans):

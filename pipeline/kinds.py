@@ -18,7 +18,7 @@ def _one_each(shard: ShardInfo, options: Any) -> np.ndarray | None:
     return None
 
 
-def _members(members: dict[str, bytes], options: Any, *, url: str, key: str) -> dict[str, bytes]:
+def _members(members: dict[str, bytes], options: Any, *, url: str, key: str, units: int) -> dict[str, bytes]:
     return members
 
 
@@ -36,7 +36,7 @@ class Kind:
     check: Callable[..., list[str]]  # (batch, options, epoch) -> problems
     verify_options: Callable[[Manifest], Any]  # options that decode everything a sample holds (`shard-pack verify`)
     units: Callable[[ShardInfo, Any], np.ndarray | None] = _one_each  # (shard, options) -> units per sample
-    open: Callable[..., Any] = _members  # (members, options, *, url, key) -> what `decode` takes
+    open: Callable[..., Any] = _members  # (members, options, *, url, key, units the manifest says) -> what `decode` takes
     grouped: bool = False
 
 

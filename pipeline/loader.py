@@ -296,8 +296,9 @@ class _ShardStream(IterableDataset):
         rank = np.empty_like(appearance)
         rank[appearance] = np.arange(len(appearance))
         group = rank[inverse.reshape(-1)]
-        bounds = np.cumsum(np.bincount(group))[:-1]
-        return wheres, list(zip(wheres, np.split(units[np.argsort(group, kind="stable")], bounds)))
+        ends = np.cumsum(np.bincount(group)).tolist()
+        grouped = units[np.argsort(group, kind="stable")]
+        return wheres, [(where, grouped[start:end]) for where, start, end in zip(wheres, [0] + ends, ends)]
 
     def _collate(self, samples: list[Any], world: World) -> Any:
         if self.leases is None or get_worker_info() is None:
@@ -374,7 +375,8 @@ class _ShardStream(IterableDataset):
         if (number, shard) in sized:
             sized[(number, shard)].result()
         data = future.result()
-        sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key)
+        sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key,
+                                units=source.units(index))
         if source.units(index) > 1:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
             opened.keep(where, (sample, len(data) if isinstance(data, bytes) else 0, url, key))

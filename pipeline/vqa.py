@@ -100,7 +100,7 @@ def _is_int(value: Any, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key: str) -> VqaSample:
+def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key: str, units: int = 1) -> VqaSample:
     """Unpack and check a sample's record (every field, strictly); the image is not decoded here."""
     images = [ext for ext in members if ext in _FORMATS]
     if len(images) != 1 or set(members) != {images[0], VQA_RECORD}:

@@ -65,9 +65,9 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
                 bar.update(1)
                 try:
                     data = read_range(fs, path, url, shard.offsets[i], shard.offsets[i + 1], key)
-                    sample = kind.open(parse_sample(data, url, key), options, url=url, key=key)
                     units = kind.units(shard, options)
                     every = np.arange(1 if units is None else int(units[i]))
+                    sample = kind.open(parse_sample(data, url, key), options, url=url, key=key, units=len(every))
                     for unit in [every] if kind.grouped else every.tolist():
                         kind.decode(sample, options, unit=unit, seed=0, epoch=0, url=url, key=key)
                 except ShardstreamError as exc:

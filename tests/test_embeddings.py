@@ -572,6 +572,13 @@ def test_hostile_blocks_are_refused_with_the_field_named(members, field, message
     assert info.value.field == field and message in info.value.message
 
 
+def test_a_block_of_other_rows_than_the_manifest_says_is_refused_when_opened():
+    assert open_block(_block(), _options(), url="s", key="k", units=2).rows == 2
+    with pytest.raises(SampleError, match="2 rows, the manifest says 3") as info:
+        open_block(_block(), _options(), url="s", key="k", units=3)  # (batches gather rows unchecked after this)
+    assert info.value.field == "row"
+
+
 def test_nan_in_a_block_is_caught_when_values_are_checked():
     members = _block(e=np.array([[0, np.nan], [1, 2]], np.float16))
     assert open_block(members, _options(), url="s", key="k").rows == 2  # training reads skip the float scan
