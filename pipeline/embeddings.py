@@ -1,10 +1,11 @@
 """Embeddings on the reading side: blocks of rows opened once, rows gathered into typed batches.
 
 A sample is a block of rows (`pipeline.format.pack_columns`); the loader opens it once per worker
-(`open_block`: zero-copy views, dtypes and shapes checked against the manifest's schema, declared
-ranges and references checked), `decode` returns a light (block, row) reference, and `collate`
-gathers a batch's rows block by block with numpy fancy indexing straight into one shared-memory
-buffer. `finish` cuts that buffer into one tensor per field (views, exact dtypes, bfloat16 included).
+(`open_block`: zero-copy views, dtypes, shapes and row count checked against the manifest, declared
+ranges and references checked), `decode` returns a light reference to the batch's rows of the
+block, and `collate` gathers them block by block with `take` straight into one shared-memory
+buffer, the blocks' rows side by side. `finish` cuts that buffer into one tensor per field (views,
+exact dtypes, bfloat16 included).
 """
 
 from __future__ import annotations

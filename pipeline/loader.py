@@ -541,7 +541,8 @@ def make_stream_loader(
     `mask_size=256`, `max_masks=64` (an int, or a function of the epoch); for VQA
     `per="question"` (or "image") and `image_size=448` (or None: as stored). Kinds whose samples
     hold several units (rows of a block, questions of an image) yield units; each worker keeps up
-    to `unit_cache_bytes` of such samples open for their next units.
+    to `unit_cache_bytes` of such samples open for their next units (read from a mapped local
+    file, a sample counts as none: its bytes are the page cache's).
 
     Storage: `source` is a local folder or any fsspec URL (`s3://bucket/prefix`, `gs://`,
     `https://`), opened in each worker with `storage_options` (e.g. s3fs's `endpoint_url`, `key`,
