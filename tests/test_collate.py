@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import pickle
 
+import pytest
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the reductions that share tensors)
 from multiprocessing.reduction import ForkingPickler
@@ -72,9 +73,11 @@ def test_a_batch_holding_buffers_elsewhere_than_at_its_top_level_takes_them_alon
     assert isinstance(full["a"], torch.Tensor) and pool.buffers[0] is None
 
 
-def test_held_batches_stay_intact_and_dropped_ones_come_back(sa1b_dataset):
+@pytest.mark.parametrize("persistent", [True, False])  # False: each epoch's workers are new, the held batches not
+def test_held_batches_stay_intact_and_dropped_ones_come_back(sa1b_dataset, persistent):
     def epochs(workers, count):
-        loader = make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=workers, seed=3, **SMALL)
+        loader = make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=workers, seed=3,
+                                    persistent_workers=persistent if workers else None, **SMALL)
         out = []
         for epoch in range(count):
             loader.set_epoch(epoch)
