@@ -16,11 +16,12 @@ from pipeline.collate import LEASE_SLOTS, Leases
 SMALL = dict(image_size=64, mask_size=32, max_masks=5)
 
 
-def _send(leases: Leases, batch: dict) -> tuple[dict, int]:
-    """A worker's batch as the main process receives it (the same pickling), and its size on the wire."""
+def _send(leases: Leases, batch: dict) -> tuple[dict, bool]:
+    """A worker's batch as the main process receives it (the same pickling), and whether a buffer
+    itself went with it (rather than only its place)."""
     leases.lend(0, batch)
-    wire = ForkingPickler.dumps(batch)
-    return pickle.loads(wire), len(wire)
+    mapped = any(lent.args[4] is not None for lent in batch.values())
+    return pickle.loads(ForkingPickler.dumps(batch)), mapped
 
 
 def _collated(leases: Leases, **sizes: int) -> dict:
@@ -33,9 +34,9 @@ def test_buffers_are_mapped_once_and_reused_only_once_handed_back():
     first = _collated(leases, a=1000, b=500)
     first["a"][:] = 7
     where = first["a"].data_ptr()
-    got, size = _send(leases, first)
+    got, mapped = _send(leases, first)
     pool = collate._Pool.of(leases, 0)
-    assert torch.equal(got["a"], torch.full((1000,), 7, dtype=torch.uint8)) and got["b"].numel() == 500
+    assert mapped and torch.equal(got["a"], torch.full((1000,), 7, dtype=torch.uint8)) and got["b"].numel() == 500
     assert (pool.flags[:2] != 0).all(), "both buffers are out"
     again = _collated(leases, a=1000)
     assert again["a"].data_ptr() != where, "a buffer out is not reused"
@@ -45,8 +46,8 @@ def test_buffers_are_mapped_once_and_reused_only_once_handed_back():
     third = _collated(leases, a=900)
     assert third["a"].data_ptr() == where, "the smallest free buffer that fits"
     third["a"][:] = 9
-    got, resent = _send(leases, third)
-    assert resent < size / 2 and torch.equal(got["a"], torch.full((900,), 9, dtype=torch.uint8)), \
+    got, mapped = _send(leases, third)
+    assert not mapped and torch.equal(got["a"], torch.full((900,), 9, dtype=torch.uint8)), \
         "a buffer already mapped travels as its place only"
     view = got["a"][:10]
     del got
@@ -58,6 +59,19 @@ def test_buffers_are_mapped_once_and_reused_only_once_handed_back():
     del view
     gc.collect()
     assert pool.flags[0] == 0
+
+
+def test_a_free_buffer_too_small_is_replaced_and_the_new_one_sent():
+    leases = Leases(1)
+    pool = collate._Pool.of(leases, 0)
+    got, _ = _send(leases, _collated(leases, **{f"x{i}": 100 for i in range(LEASE_SLOTS)}))  # every slot a small buffer
+    del got
+    gc.collect()
+    big = _collated(leases, x=10_000)
+    big["x"][:] = 5
+    got, mapped = _send(leases, big)
+    assert mapped and torch.equal(got["x"], torch.full((10_000,), 5, dtype=torch.uint8))
+    assert sum(b is not None and b.numel() >= 10_000 for b in pool.buffers) == 1
 
 
 def test_a_batch_holding_buffers_elsewhere_than_at_its_top_level_takes_them_along():
