@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import pickle
+import shutil
 import tarfile
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline import SampleError, make_stream_loader, validate_first_batch
+from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
 from pipeline.embeddings import EmbeddingsOptions, Field, check_batch, open_block
 from pipeline.errors import InputError, RowError
 from pipeline.format import (
@@ -423,6 +424,25 @@ def test_shuffle_is_a_row_permutation_deterministic_per_seed_and_epoch(emb_src, 
     block_of = {row: i // BLOCK for i, row in enumerate(train)}
     first = _epoch(loader, 0)[0]["row"].tolist()
     assert len({block_of[r] for r in first}) > 1 and first != sorted(first)
+
+
+def test_a_broken_block_is_skipped_whole_and_counted(emb_dataset, tmp_path):
+    root = tmp_path / "broken"
+    shutil.copytree(emb_dataset, root)
+    shard = Manifest.from_json((root / "manifest.json").read_bytes(), "m").splits["train"][0]
+    with open(root / shard.name, "r+b") as f:  # the second block's first tar header: its checksum
+        f.seek(shard.offsets[1] + 148)
+        f.write(b"0000000\0")
+    in_order = _rows(_epoch(_loader(emb_dataset, shuffle=False, drop_last=False)))
+    lost = set(in_order[shard.units[0] : shard.units[0] + shard.units[1]])
+    clean = _rows(_epoch(_loader(emb_dataset, batch_size=32)))  # (no batch of only broken rows: that is an error)
+    assert len(lost) == BLOCK and lost & set(clean)
+    for workers in (0, 2):
+        loader = _loader(str(root), num_workers=workers, on_error="skip", batch_size=32)
+        rows = _rows(_epoch(loader))
+        assert sorted(rows) == sorted(set(clean) - lost) and loader.skipped == len(lost & set(clean))
+    with pytest.raises(ShardError, match=f"{shard.keys[1]}.*checksum mismatch"):
+        list(_loader(str(root)))
 
 
 def test_same_batches_for_any_workers_and_worker_lifetime(emb_dataset):
