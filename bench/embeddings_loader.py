@@ -24,13 +24,11 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
 
-from sa1b_loader import timed_epochs  # (bench/ is on the path of a script run from it)
+from sa1b_loader import median_run, paired_rounds, run_child, timed_epochs  # (bench/ is on the path of a script run from it)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench-embeddings"
@@ -149,10 +147,8 @@ def run_transport(data: pathlib.Path, workers: int, batch_size: int, epochs: int
 
 def _child(method: str, data: pathlib.Path, args: argparse.Namespace, workers: int | None = None) -> dict:
     workers = args.workers if workers is None else workers
-    out = subprocess.run([sys.executable, __file__, "--only", method, "--data", str(data), "--workers", str(workers),
-                          "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)],
-                         check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(__file__, "--only", method, "--data", str(data), "--workers", str(workers),
+                     "--batch-size", str(args.batch_size), "--epochs", str(args.epochs))
 
 
 def main() -> None:
@@ -178,9 +174,8 @@ def main() -> None:
     size = sum(p.stat().st_size for p in (data / "shards").glob("*.tar"))
     print(f"data: {args.rows} rows, D={D} float16, K={K} negatives + 4 scalar fields, 95% train; shards "
           f"{size / 1e9:.2f} GB; batch {args.batch_size}, num_workers={args.workers}, cores={cores}", flush=True)
-    rounds = [(_child("floor", data, args), _child("loader", data, args)) for _ in range(args.rounds)]
-    ratios = [b["rate"] / a["rate"] for a, b in rounds]
-    floor, loader = (sorted(runs, key=lambda r: r["rate"])[len(runs) // 2] for runs in zip(*rounds))
+    floors, loaders, ratios = paired_rounds(lambda method: _child(method, data, args), args.rounds)
+    floor, loader = median_run(floors), median_run(loaders)
     in_process = _child("loader", data, args, workers=0)
     transport = _child("transport", data, args)
     fresh = _child("fresh", data, args)

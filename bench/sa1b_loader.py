@@ -168,11 +168,27 @@ def run_floor(data: pathlib.Path, cores: int) -> dict:
     return {"rate": cores / per_sample, "per_sample_ms": per_sample * 1000, "peak_mb": _peak_mb()}
 
 
-def _child(method: str, data: pathlib.Path, args: argparse.Namespace) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--only", method, "--data", str(data), "--workers", str(args.workers),
-                          "--epochs", str(args.epochs), "--naive-samples", str(args.naive_samples)],
-                         check=True, capture_output=True, text=True)
+def run_child(script: str, *argv: str) -> dict:
+    """Run a benchmark script in a fresh process; what it prints as JSON on its last line."""
+    out = subprocess.run([sys.executable, script, *argv], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def paired_rounds(child, rounds: int) -> tuple[list[dict], list[dict], list[float]]:
+    """Floor and loader runs (`child(method)`), alternating: (floors, loaders, each round's loader
+    rate over the floor run just before it). The machine's speed wanders; pairs see it alike."""
+    pairs = [(child("floor"), child("loader")) for _ in range(rounds)]
+    return [a for a, _ in pairs], [b for _, b in pairs], [b["rate"] / a["rate"] for a, b in pairs]
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median rate."""
+    return sorted(runs, key=lambda r: r["rate"])[len(runs) // 2]
+
+
+def _child(method: str, data: pathlib.Path, args: argparse.Namespace) -> dict:
+    return run_child(__file__, "--only", method, "--data", str(data), "--workers", str(args.workers),
+                     "--epochs", str(args.epochs), "--naive-samples", str(args.naive_samples))
 
 
 def main() -> None:
@@ -199,10 +215,8 @@ def main() -> None:
     print(f"data: {manifest.samples('train')} images 1500x2250 (portrait every third), "
           f"{sum(1 for _ in (data / 'files').glob('*.json'))} json files; settings {SETTINGS}, "
           f"num_workers={args.workers}, cores={os.cpu_count()}", flush=True)
-    rounds = [(_child("floor", data, args), _child("loader", data, args)) for _ in range(args.rounds)]
-    ratios = [b["rate"] / a["rate"] for a, b in rounds]
-    results = {"floor": _median_run([a for a, _ in rounds]), "loader": _median_run([b for _, b in rounds]),
-               "naive": _child("naive", data, args)}
+    floors, loaders, ratios = paired_rounds(lambda method: _child(method, data, args), args.rounds)
+    results = {"floor": median_run(floors), "loader": median_run(loaders), "naive": _child("naive", data, args)}
     floor, loader, naive = (results[m]["rate"] for m in ("floor", "loader", "naive"))
     print(f"{'method':<44}{'samples/s':>10}{'peak RSS MB (main / largest worker)':>40}")
     for method, label in (("floor", f"(c) floor: decode work only x {args.workers} cores"),
@@ -214,11 +228,6 @@ def main() -> None:
     print(f"loader / floor = {statistics.median(ratios):.0%} (target >= 70%; median of {args.rounds} rounds, each the "
           f"loader beside the floor run just before it: {', '.join(f'{r:.0%}' for r in ratios)}); "
           f"loader / naive = {loader / naive:.1f}x (target >= 20x)")
-
-
-def _median_run(runs: list[dict]) -> dict:
-    """The run of median rate."""
-    return sorted(runs, key=lambda r: r["rate"])[len(runs) // 2]
 
 
 if __name__ == "__main__":

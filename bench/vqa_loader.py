@@ -25,11 +25,9 @@ import os
 import pathlib
 import resource
 import statistics
-import subprocess
-import sys
 import time
 
-from sa1b_loader import packed_samples, timed_epochs  # (bench/ is on the path of a script run from it)
+from sa1b_loader import packed_samples, paired_rounds, run_child, timed_epochs  # (bench/ is on the path of a script run from it)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench-vqa"
@@ -107,10 +105,8 @@ def run_floor(data: pathlib.Path, cores: int, image_size: int, passes: int = 3) 
 
 
 def _child(method: str, data: pathlib.Path, args: argparse.Namespace) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--only", method, "--data", str(data), "--workers",
-                          str(args.workers), "--image-size", str(args.image_size), "--epochs", str(args.epochs)],
-                         check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(__file__, "--only", method, "--data", str(data), "--workers", str(args.workers),
+                     "--image-size", str(args.image_size), "--epochs", str(args.epochs))
 
 
 def main() -> None:
@@ -137,12 +133,8 @@ def main() -> None:
     units = sum(sum(s.units or [1] * s.samples) for s in manifest.splits["train"])
     print(f"data: {manifest.samples('train')} JPEGs at 1000-2000 px, {units} questions; per='question', "
           f"image_size={args.image_size}, batch {BATCH}, num_workers={args.workers}, cores={os.cpu_count()}", flush=True)
-    floors, loaders = [], []
-    for _ in range(args.rounds):
-        floors.append(_child("floor", data, args))
-        loaders.append(_child("loader", data, args))
+    floors, loaders, ratios = paired_rounds(lambda method: _child(method, data, args), args.rounds)
     floor, loader = (statistics.median(r["rate"] for r in runs) for runs in (floors, loaders))
-    ratios = [a["rate"] / b["rate"] for a, b in zip(loaders, floors)]
     print(f"{'method':<58}{'questions/s':>12}")
     print(f"{f'(b) floor: JPEG decode to the frame only, {args.workers} processes':<58}{floor:>12.1f}")
     print(f"{'(a) make_stream_loader':<58}{loader:>12.1f}")
