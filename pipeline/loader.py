@@ -375,9 +375,10 @@ class _ShardStream(IterableDataset):
         if (number, shard) in sized:
             sized[(number, shard)].result()
         data = future.result()
+        units = source.units(index)
         sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key,
-                                units=source.units(index))
-        if source.units(index) > 1:
+                                units=units)
+        if units > 1:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
             opened.keep(where, (sample, len(data) if isinstance(data, bytes) else 0, url, key))
         return sample, url, key
