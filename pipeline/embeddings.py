@@ -23,7 +23,7 @@ import torch
 from pipeline.collate import empty
 from pipeline.errors import ManifestError, SampleError
 from pipeline.format import (
-    BFLOAT16, COLUMN_ALIGN, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, ShardInfo, storage_dtype,
+    BFLOAT16, COLUMN_ALIGN, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, storage_dtype,
     unpack_columns,
 )
 
@@ -200,8 +200,9 @@ def verify_options(manifest: Manifest) -> EmbeddingsOptions:
     return EmbeddingsOptions(schema, rows, check_values=True)
 
 
-def units(shard: ShardInfo, options: EmbeddingsOptions) -> np.ndarray | None:
-    return None if shard.units is None else np.asarray(shard.units, dtype=np.int64)
+def units(options: EmbeddingsOptions) -> bool:
+    """A block's rows are its units."""
+    return True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

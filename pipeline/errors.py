@@ -6,7 +6,7 @@ DataLoader worker reaches the training process with its type and attributes inta
 
 from __future__ import annotations
 
-__all__ = ["ShardstreamError", "ManifestError", "ShardError", "SampleError", "InputError", "RowError"]
+__all__ = ["ShardstreamError", "ManifestError", "ShardError", "ShardIndexError", "SampleError", "InputError", "RowError"]
 
 
 class ShardstreamError(Exception):
@@ -26,6 +26,10 @@ class ManifestError(ShardstreamError):
 
 class ShardError(ShardstreamError):
     """A shard cannot be read or does not hold what the manifest says."""
+
+
+class ShardIndexError(ShardError):
+    """A shard's index file is missing, malformed, or disagrees with the manifest or with its shard."""
 
 
 class SampleError(ShardstreamError):

@@ -6,16 +6,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from pipeline import embeddings, sa1b, vqa
-from pipeline.format import Manifest, ShardInfo
+from pipeline.format import Manifest
 
 __all__ = ["Kind", "KINDS"]
 
 
-def _one_each(shard: ShardInfo, options: Any) -> np.ndarray | None:
-    return None
+def _one_each(options: Any) -> bool:
+    return False
 
 
 def _members(members: dict[str, bytes], options: Any, *, url: str, key: str, units: int) -> dict[str, bytes]:
@@ -35,7 +33,7 @@ class Kind:
     finish: Callable[..., dict[str, Any]]  # (batch, options) -> batch for the user (after the device copy)
     check: Callable[..., list[str]]  # (batch, options, epoch) -> problems
     verify_options: Callable[[Manifest], Any]  # options that decode everything a sample holds (`shard-pack verify`)
-    units: Callable[[ShardInfo, Any], np.ndarray | None] = _one_each  # (shard, options) -> units per sample
+    units: Callable[[Any], bool] = _one_each  # (options) -> whether the plan orders a sample's units (else: samples)
     open: Callable[..., Any] = _members  # (members, options, *, url, key, units the manifest says) -> what `decode` takes
     grouped: bool = False
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import collections
 import concurrent.futures
 import dataclasses
@@ -23,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.collate import Leases
 from pipeline.device import prefetch_to_cuda, to_device
 from pipeline.errors import ManifestError, ShardError, ShardstreamError
-from pipeline.format import Manifest
+from pipeline.format import Manifest, ShardIndex, ShardInfo, Split
 from pipeline.kinds import KINDS, Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_positions
 from pipeline.storage import Retry, ShardCache, ShardReader, join, read_manifest
@@ -57,10 +56,12 @@ class LoaderConfig:
     cache_limit: int | None = None
     read_ahead: int = 1  # batches whose samples are read while the current one decodes
     read_threads: int = 8  # per worker
+    index_cache_bytes: int = 64 << 20  # per worker and dataset: shard indexes kept (least recently used dropped)
 
     def __post_init__(self) -> None:
         for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1),
-                          ("unit_cache_bytes", 0), ("read_ahead", 0), ("read_threads", 1)):
+                          ("unit_cache_bytes", 0), ("read_ahead", 0), ("read_threads", 1),
+                          ("index_cache_bytes", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -83,50 +84,32 @@ class _WorkerError:
     error: ShardstreamError
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Source:
-    """One dataset's split, as the reader needs it: shard names, keys, byte offsets and units.
+    """One dataset's split, as the planner and the reader need it: per-shard counts only (each
+    sample's key, span and units come from its shard's index, in the worker that reads it).
 
-    Samples are numbered over the split's shards in order; units (what the plan orders) likewise."""
+    Samples are numbered over the split's shards in order; the plan's items (units, or samples
+    when the kind's options yield each sample once) likewise."""
 
     root: str
-    names: tuple[str, ...]
-    keys: tuple[tuple[str, ...], ...]
-    offsets: tuple[np.ndarray, ...]
-    shard_bytes: tuple[int, ...]
-    sha256: tuple[str, ...]
-    sizes: tuple[int, ...]  # units per shard
-    first_sample: tuple[int, ...]  # each shard's first sample, then the split's sample count
-    starts: np.ndarray | None  # each sample's first unit, then the unit count (None: one unit each)
+    split: Split
+    by_units: bool  # the plan orders each sample's units (else: samples)
+    sizes: np.ndarray  # the plan's items per shard
+    first_sample: np.ndarray  # each shard's first sample, then the split's sample count
+    first_item: np.ndarray  # each shard's first plan item, then the item count
 
     @classmethod
-    def of(cls, root: str, manifest: Manifest, split: str, kind: Kind, options: Any) -> _Source:
+    def of(cls, root: str, manifest: Manifest, split: str, by_units: bool) -> _Source:
         shards = manifest.splits[split]
-        units = [kind.units(shard, options) for shard in shards]
-        starts = None
-        if any(u is not None for u in units):
-            counts = [np.ones(s.samples, np.int64) if u is None else u for s, u in zip(shards, units)]
-            starts = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64)
-        return cls(root, tuple(s.name for s in shards), tuple(s.keys for s in shards),
-                   tuple(np.asarray(s.offsets, dtype=np.int64) for s in shards), tuple(s.bytes for s in shards),
-                   tuple(s.sha256 for s in shards),
-                   tuple(s.samples if u is None else int(u.sum()) for s, u in zip(shards, units)),
-                   tuple(np.cumsum([0] + [s.samples for s in shards]).tolist()), starts)
-
-    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The sample of each unit id, and the unit's place in its sample."""
-        if self.starts is None:
-            return ids, np.zeros_like(ids)
-        samples = np.searchsorted(self.starts, ids, side="right") - 1
-        return samples, ids - self.starts[samples]
+        sizes = shards.unit_counts if by_units else shards.sample_counts
+        return cls(root, shards, by_units, sizes, np.concatenate(([0], np.cumsum(shards.sample_counts))),
+                   np.concatenate(([0], np.cumsum(sizes))))
 
     def where(self, sample: int) -> tuple[int, int]:
         """(shard, index in the shard) of a sample."""
-        shard = bisect.bisect_right(self.first_sample, sample) - 1
-        return shard, sample - self.first_sample[shard]
-
-    def units(self, sample: int) -> int:
-        return 1 if self.starts is None else int(self.starts[sample + 1] - self.starts[sample])
+        shard = int(np.searchsorted(self.first_sample, sample, side="right")) - 1
+        return shard, sample - int(self.first_sample[shard])
 
 
 _Where = tuple[int, int]  # a sample: (source, sample number in the source's split)
@@ -245,7 +228,7 @@ class _ShardStream(IterableDataset):
             for i, (batch, _, _) in enumerate(plan):
                 # Reads of the next batches overlap decoding (each batch's reads are asked for once).
                 for later in range(i + cfg.read_ahead if i else 0, min(i + 1 + cfg.read_ahead, len(plan))):
-                    prepared[later] = self._prepare(*plan[later][1:])
+                    prepared[later] = self._prepare(pool, readers, *plan[later][1:])
                     for where in prepared[later][0]:
                         if where not in opened and where not in inflight:
                             self._submit(pool, readers[where[0]], where, sized, inflight)
@@ -277,16 +260,28 @@ class _ShardStream(IterableDataset):
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _prepare(self, sources: np.ndarray, ids: np.ndarray) -> tuple[list[_Where], list[tuple[_Where, Any]]]:
+    def _prepare(self, pool: concurrent.futures.ThreadPoolExecutor, readers: list[ShardReader], sources: np.ndarray,
+                 ids: np.ndarray) -> tuple[list[_Where], list[tuple[_Where, Any]]]:
         """A batch's samples, in order of first use, and what to decode: (sample, unit) for each unit,
-        in plan order, or for a kind that decodes by sample, (sample, its units) for each sample."""
-        if len(self.sources) == 1:
-            samples, units = self.sources[0].locate(ids)
-        else:
-            samples, units = np.empty_like(ids), np.empty_like(ids)
-            for number in np.unique(sources).tolist():
-                mine = sources == number
-                samples[mine], units[mine] = self.sources[number].locate(ids[mine])
+        in plan order, or for a kind that decodes by sample, (sample, its units) for each sample.
+        The indexes of the shards it touches are fetched here, at the same time, when not held yet."""
+        samples, units = np.empty_like(ids), np.zeros_like(ids)
+        for number in np.unique(sources).tolist():
+            source, reader = self.sources[number], readers[number]
+            mine = np.flatnonzero(sources == number)
+            shard = np.searchsorted(source.first_item, ids[mine], side="right") - 1
+            local = ids[mine] - source.first_item[shard]
+            touched = np.unique(shard).tolist()
+            indexes = dict(zip(touched, pool.map(lambda i: reader.index(source.split[i]), touched)))
+            for i in touched:
+                at = shard == i
+                if source.by_units:
+                    starts = indexes[i].unit_starts
+                    within = np.searchsorted(starts, local[at], side="right") - 1
+                    units[mine[at]] = local[at] - starts[within]
+                else:
+                    within = local[at]
+                samples[mine[at]] = source.first_sample[i] + within
         codes = sources << 40 | samples
         unique, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
         appearance = np.argsort(first)
@@ -315,7 +310,8 @@ class _ShardStream(IterableDataset):
         if self._reader_pid != os.getpid():
             cfg = self.config
             cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None else None
-            self._reader_list = [ShardReader(s.root, self.storage_options, cfg.retry, cache) for s in self.sources]
+            self._reader_list = [ShardReader(s.root, self.storage_options, cfg.retry, cache, cfg.index_cache_bytes)
+                                 for s in self.sources]
             self._opened = _Opened(cfg.unit_cache_bytes)
             self._reader_pid = os.getpid()
         return self._reader_list
@@ -335,26 +331,29 @@ class _ShardStream(IterableDataset):
             sized[(number, shard)] = pool.submit(self._check_size, reader, number, shard, sample)
         inflight[where] = pool.submit(self._read, reader, where)
 
+    def _sample(self, reader: ShardReader, where: _Where) -> tuple[ShardInfo, ShardIndex, int]:
+        """(shard, its index, the sample's place in it)."""
+        source = self.sources[where[0]]
+        shard, at = source.where(where[1])
+        info = source.split[shard]
+        return info, reader.index(info), at
+
     def _check_size(self, reader: ShardReader, number: int, shard: int, sample: int) -> None:
-        source = self.sources[number]
-        name, key = source.names[shard], source.keys[shard][source.where(sample)[1]]
-        size = reader.size(name, key)
-        if size != source.shard_bytes[shard]:
-            raise ShardError(join(source.root, name), f"sample {key!r}: shard is {size} bytes, the manifest says "
-                             f"{source.shard_bytes[shard]}")
+        info, index, at = self._sample(reader, (number, sample))
+        size = reader.size(info.name, index.key(at))
+        if size != info.bytes:
+            raise ShardError(join(self.sources[number].root, info.name), f"sample {index.key(at)!r}: shard is {size} "
+                             f"bytes, the manifest says {info.bytes}")
 
     def _read(self, reader: ShardReader, where: _Where) -> bytes | memoryview:
         """One sample's bytes (in a reader thread)."""
-        number, sample = where
-        source = self.sources[number]
-        shard, index = source.where(sample)
-        name, key = source.names[shard], source.keys[shard][index]
-        start, end = (int(o) for o in source.offsets[shard][index : index + 2])
+        info, index, at = self._sample(reader, where)
+        key, (start, end) = index.key(at), index.span(at)
         limits = self.config.limits
         if end - start > limits.max_sample_bytes:
-            raise ShardError(join(source.root, name), f"sample {key!r} spans {end - start} bytes, more than "
-                             f"max_sample_bytes={limits.max_sample_bytes}")
-        return reader.read(name, source.shard_bytes[shard], source.sha256[shard], start, end, key)
+            raise ShardError(join(self.sources[where[0]].root, info.name), f"sample {key!r} spans {end - start} bytes, "
+                             f"more than max_sample_bytes={limits.max_sample_bytes}")
+        return reader.read(info.name, info.bytes, info.sha256, start, end, key)
 
     def _open(self, pool: concurrent.futures.ThreadPoolExecutor, reader: ShardReader, where: _Where,
               sized: dict[tuple[int, int], concurrent.futures.Future[None]], opened: _Opened,
@@ -365,20 +364,21 @@ class _ShardStream(IterableDataset):
             opened.move_to_end(where)
             sample, _, url, key = opened[where]
             return sample, url, key
-        number, index = where
+        number = where[0]
         source = self.sources[number]
-        shard, at = source.where(index)
-        url, key = join(source.root, source.names[shard]), source.keys[shard][at]
+        info, index, at = self._sample(reader, where)
+        url, key = join(source.root, info.name), index.key(at)
         if where not in inflight:  # (dropped from the open samples since its read was asked for)
             self._submit(pool, reader, where, sized, inflight)
         future = inflight.pop(where)
+        shard = source.where(where[1])[0]
         if (number, shard) in sized:
             sized[(number, shard)].result()
         data = future.result()
-        units = source.units(index)
+        units = int(index.units[at])
         sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key,
                                 units=units)
-        if units > 1:
+        if units > 1 and source.by_units:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
             opened.keep(where, (sample, len(data) if isinstance(data, bytes) else 0, url, key))
         return sample, url, key
@@ -443,7 +443,7 @@ class StreamLoader:
         """What a saved state must share with the loader that resumes it."""
         config = self._stream.config
         return {"version": STATE_VERSION, "fingerprint": self._fingerprint, "split": self.split,
-                "units": [sum(s.sizes) for s in self._stream.sources],
+                "units": [int(s.sizes.sum()) for s in self._stream.sources],
                 **{name: getattr(config, name) for name in _ORDER_SETTINGS}}
 
     def state_dict(self) -> dict[str, Any]:
@@ -559,17 +559,20 @@ def make_stream_loader(
         rank, world_size = dist.get_rank(), dist.get_world_size()
     world = World(rank or 0, world_size or 1)
     roots = [source] if isinstance(source, str) else list(source)
-    manifests = [read_manifest(root, storage_options, config.retry) for root in roots]
+    cache = ShardCache(cache_dir, cache_limit) if cache_dir is not None and cache_limit is not None else None
+    manifests = [read_manifest(root, storage_options, config.retry, cache) for root in roots]
     for root, manifest in zip(roots, manifests):
         if split not in manifest.splits:
             raise ValueError(f"{root}: no split {split!r}; the dataset has {sorted(manifest.splits)}")
         if manifest.kind != manifests[0].kind:
             raise ValueError(f"cannot mix kinds: {roots[0]} is {manifests[0].kind}, {root} is {manifest.kind}")
-        for shard in manifest.splits[split]:
-            if shard.bytes > limits.max_shard_bytes:
-                raise ManifestError(join(root, shard.name), f"{shard.bytes} bytes, more than max_shard_bytes={limits.max_shard_bytes}")
+        shards = manifest.splits[split]
+        if len(shards) and shards.shard_bytes.max() > limits.max_shard_bytes:
+            name = shards.names[int(shards.shard_bytes.argmax())]
+            raise ManifestError(join(root, name), f"{shards.shard_bytes.max()} bytes, more than "
+                                f"max_shard_bytes={limits.max_shard_bytes}")
     if cache_limit is not None:
-        largest = max((s.bytes for m in manifests for s in m.splits[split]), default=0)
+        largest = max((int(m.splits[split].shard_bytes.max(initial=0)) for m in manifests), default=0)
         if cache_limit < largest:
             raise ValueError(f"cache_limit={cache_limit} cannot hold the largest shard of split {split!r} ({largest} bytes)")
     kind = KINDS[manifests[0].kind]
@@ -577,9 +580,9 @@ def make_stream_loader(
         kind_options = kind.options(manifests, limits, **options)
     except TypeError as exc:  # an option this kind does not have
         raise ValueError(f"{manifests[0].kind} datasets do not take these options {sorted(options)}: {exc}") from exc
-    sources = [_Source.of(root, manifest, split, kind, kind_options) for root, manifest in zip(roots, manifests)]
+    sources = [_Source.of(root, manifest, split, kind.units(kind_options)) for root, manifest in zip(roots, manifests)]
     mix = None if len(sources) == 1 and weights is None and epoch_size is None else \
-        Mix.of([sum(s.sizes) for s in sources], weights, epoch_size)
+        Mix.of([int(s.sizes.sum()) for s in sources], weights, epoch_size)
     stream = _ShardStream(sources, mix, manifests[0].kind, kind_options, config, world.rank, world.world_size,
                           storage_options)
     if stream.batches() == 0:

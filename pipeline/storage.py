@@ -37,12 +37,12 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.errors import ManifestError, ShardError
-from pipeline.format import MANIFEST_NAME, Manifest
+from pipeline.errors import ManifestError, ShardError, ShardIndexError
+from pipeline.format import MANIFEST_NAME, MAX_INDEX_BYTES, Manifest, ShardIndex, ShardInfo
 
 __all__ = [
     "MAX_MANIFEST_BYTES", "PIECE_BYTES", "Retry", "ShardCache", "ShardReader", "join", "filesystem", "is_local", "read_manifest",
-    "read_range", "sha256_file", "with_retries", "write_bytes",
+    "read_index", "read_range", "shard_indexes", "sha256_file", "with_retries", "write_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -186,14 +186,25 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, e
     return b"".join(parts)
 
 
-def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retry: Retry = Retry()) -> Manifest:
+def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retry: Retry = Retry(),
+                  cache: ShardCache | None = None) -> Manifest:
+    """The dataset's manifest. With a `cache`, a remote manifest is kept on local disk, named by
+    its URL, size and ETag (one HEAD request tells whether the copy is current), so the ranks of a
+    node download it once."""
     url = join(root, MANIFEST_NAME)
     try:
         fs, path = filesystem(url, storage_options)
-        size = with_retries(retry, url, lambda: fs.size(path))
+        info = with_retries(retry, url, lambda: fs.info(path))
+        size = info["size"]
         if size > MAX_MANIFEST_BYTES:  # (outside the handlers below, which would wrap it again)
             raise ManifestError(url, f"larger than {MAX_MANIFEST_BYTES} bytes: not a manifest this reader accepts")
-        data = read_range(fs, path, url, 0, size, retry=retry) if size else b""
+        fetch = functools.partial(read_range, fs, path, url, 0, size, retry=retry)
+        if cache is not None and not is_local(fs):
+            version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
+            name = hashlib.sha256(json.dumps([url, size, str(version)]).encode()).hexdigest()
+            data = cache.small(f"manifest-{name}.json", None, fetch)
+        else:
+            data = fetch() if size else b""
     except ManifestError:
         raise
     except (FileNotFoundError, ShardError) as exc:
@@ -205,7 +216,42 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
         raise ManifestError(url, f"access denied: check the credentials in storage_options ({_describe(exc)})") from exc
     except Exception as exc:
         raise ManifestError(url, f"cannot read manifest: {_describe(exc)}") from exc
-    return Manifest.from_json(data, url)
+    manifest = Manifest.from_json(data, url)
+    if manifest.version < 3:
+        log.warning("%s: schema %d manifest, read with its per-sample tables in memory; `shard-pack upgrade %s` writes "
+                    "shard indexes so that opening it costs O(shards)", url, manifest.version, root)
+    return manifest
+
+
+def shard_indexes(root: str, manifest: Manifest, split: str, storage_options: dict[str, Any] | None = None,
+                  retry: Retry = Retry()) -> Iterator[tuple[ShardInfo, ShardIndex]]:
+    """Each shard of a split with its index, in order (for tools: `verify`, `upgrade`, tests)."""
+    fs, base = filesystem(root, storage_options)
+    for shard in manifest.splits[split]:
+        yield shard, read_index(fs, base, root, shard, retry)
+
+
+def read_index(fs: fsspec.AbstractFileSystem, base: str, root: str, shard: ShardInfo, retry: Retry = Retry(),
+               cache: ShardCache | None = None) -> ShardIndex:
+    """A shard's index, read whole (one small request) and checked against the manifest: size cap,
+    SHA-256, counts, bounds. A missing or bad index is a ShardIndexError naming its file."""
+    if shard.index is None:
+        assert shard.inline is not None
+        return shard.inline
+    info, url = shard.index, join(root, shard.index.name)
+    if info.bytes > MAX_INDEX_BYTES:
+        raise ShardIndexError(url, f"the manifest says {info.bytes} bytes, more than {MAX_INDEX_BYTES}")
+    fetch = functools.partial(read_range, fs, join(base, info.name), url, 0, info.bytes, None, retry)
+    try:
+        data = cache.small(f"{info.sha256}.idx", info.sha256, fetch) if cache is not None else fetch()
+    except ShardError as exc:
+        missing = isinstance(exc.__cause__, FileNotFoundError)
+        raise ShardIndexError(url, f"index of shard {shard.name!r} is missing (written by `shard-pack`, or by "
+                              "`shard-pack upgrade` for an older dataset)" if missing else exc.message) from exc
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != info.sha256:
+        raise ShardIndexError(url, f"SHA-256 {digest}, the manifest says {info.sha256}")
+    return ShardIndex.from_bytes(data, url, samples=shard.samples, units=shard.units, shard_bytes=shard.bytes)
 
 
 def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, retry: Retry = Retry()) -> None:
@@ -293,6 +339,27 @@ class ShardCache:
         log.debug("cached %s as %s", url, path)
         return self.lookup(url, sha256) or path
 
+    def small(self, name: str, sha256: str | None, fetch: Callable[[], bytes]) -> bytes:
+        """A small file (a shard index, a manifest) kept whole under `name`: read from the cache if
+        present (and, given its SHA-256, intact), else fetched, written atomically and counted in the limit."""
+        path = os.path.join(self.directory, name)
+        with contextlib.suppress(FileNotFoundError):
+            with open(path, "rb") as f:
+                data = f.read()
+            if sha256 is None or hashlib.sha256(data).hexdigest() == sha256:
+                os.utime(path)
+                return data
+        with _locked(path + ".lock"):
+            with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:  # fetched by another process meanwhile
+                data = f.read()
+                if sha256 is None or hashlib.sha256(data).hexdigest() == sha256:
+                    return data
+            data = fetch()
+            if sha256 is None or hashlib.sha256(data).hexdigest() == sha256:  # (else: the caller names the problem)
+                self._make_room(len(data))
+                write_bytes(LocalFileSystem(), path, data)
+        return data
+
     def _remove(self, path: str) -> None:
         for name in (path, path + ".ok"):
             with contextlib.suppress(FileNotFoundError):
@@ -302,7 +369,7 @@ class ShardCache:
         with _locked(os.path.join(self.directory, ".evict.lock")):
             entries = []
             for name in os.listdir(self.directory):
-                if name.endswith(".tar"):
+                if name.endswith((".tar", ".idx", ".json")):
                     with contextlib.suppress(FileNotFoundError):
                         stat = os.stat(os.path.join(self.directory, name))
                         entries.append((stat.st_atime_ns, name, stat.st_size))
@@ -332,16 +399,36 @@ class ShardReader:
     Build it in the process that reads (a DataLoader worker)."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None, retry: Retry,
-                 cache: ShardCache | None = None) -> None:
+                 cache: ShardCache | None = None, index_bytes: int = 64 << 20) -> None:
         self.root, self.retry = root, retry
         self.fs, self.base = filesystem(root, storage_options)
         self.cache = None if is_local(self.fs) else cache  # local shards are read in place
+        self._indexes: collections.OrderedDict[str, ShardIndex] = collections.OrderedDict()
+        self._index_limit, self._index_held = index_bytes, 0
         self._downloads: dict[str, concurrent.futures.Future[str]] = {}
         self._waiting: dict[str, tuple[str, str, int, str]] = {}  # wanted before `start_downloads`
         self._started = False
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._maps: collections.OrderedDict[tuple[str, int, int], memoryview] = collections.OrderedDict()
+
+    def index(self, shard: ShardInfo) -> ShardIndex:
+        """The shard's index: fetched when first asked for, then kept (least recently used dropped
+        past `index_bytes`, but the newest)."""
+        with self._lock:
+            found = self._indexes.get(shard.name)
+            if found is not None:
+                self._indexes.move_to_end(shard.name)
+                return found
+        index = read_index(self.fs, self.base, self.root, shard, self.retry, self.cache)
+        if shard.index is not None:
+            with self._lock:
+                if shard.name not in self._indexes:
+                    self._indexes[shard.name] = index
+                    self._index_held += index.nbytes
+                while self._index_held > self._index_limit and len(self._indexes) > 1:
+                    self._index_held -= self._indexes.popitem(last=False)[1].nbytes
+        return index
 
     def size(self, name: str, key: str) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages)."""

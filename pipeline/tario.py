@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pipeline.errors import ShardError
 from pipeline.format import check_key
 
-__all__ = ["BLOCK", "ReadLimits", "ShardWriter", "parse_sample"]
+__all__ = ["BLOCK", "ReadLimits", "ShardWriter", "parse_sample", "sample_members"]
 
 BLOCK = 512
 _END = b"\0" * (2 * BLOCK)
@@ -60,7 +60,7 @@ class ShardWriter:
         self._file = open(self.partial, "wb")
         self._sha = hashlib.sha256()
         self.keys: list[str] = []
-        self.offsets: list[int] = []
+        self.members: list[list[tuple[str, int, int]]] = []  # per sample: (extension, header offset, data bytes)
         self.size = 0
 
     def _write(self, data: bytes) -> None:
@@ -70,18 +70,20 @@ class ShardWriter:
 
     def add(self, key: str, members: Sequence[tuple[str, bytes]]) -> None:
         check_key(key)
+        if not members:
+            raise ValueError(f"sample {key!r} has no members")
         self.keys.append(key)
-        self.offsets.append(self.size)
+        self.members.append([])
         for ext, data in members:
             if not _EXT_RE.fullmatch(ext):
                 raise ValueError(f"invalid member extension {ext!r}")
+            self.members[-1].append((ext, self.size, len(data)))
             self._write(_header(f"{key}.{ext}", len(data)))
             self._write(data)
             self._write(b"\0" * (-len(data) % BLOCK))
 
     def close(self) -> str:
         """Finish the archive, flush it to disk, rename it into place; returns its SHA-256."""
-        self.offsets.append(self.size)
         self._write(_END)
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -103,18 +105,25 @@ def _octal(field: bytes) -> int:
 
 def parse_sample(data: bytes | memoryview, url: str, key: str, limits: ReadLimits = ReadLimits()) -> dict[str, memoryview]:
     """The members `{ext: view of their bytes}` of one sample (no copy), from the exact byte range
-    the manifest gives for it.
+    the index gives for it.
 
-    Only what the writer makes is accepted: regular files named `<key>.<ext>` for the manifest's
+    Only what the writer makes is accepted: regular files named `<key>.<ext>` for the index's
     key, headers with valid checksums, sizes within the caps and within the range. Nothing is
     ever extracted to disk; compressed shards are refused."""
+    view = memoryview(data)
+    return {ext: view[at + BLOCK : at + BLOCK + size] for ext, at, size in sample_members(data, url, key, limits)}
+
+
+def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLimits = ReadLimits()) -> list[tuple[str, int, int]]:
+    """(extension, header offset, data bytes) of each member of one sample's byte range, checked as
+    `parse_sample` says."""
     try:
         check_key(key)
     except ValueError as exc:
-        raise ShardError(url, f"unsafe sample key in the manifest: {exc}") from exc
+        raise ShardError(url, f"unsafe sample key in the index: {exc}") from exc
     if bytes(data[:2]) == b"\x1f\x8b":
         raise ShardError(url, f"sample {key!r}: gzip-compressed data; only uncompressed tar shards are read")
-    members: dict[str, memoryview] = {}
+    members: list[tuple[str, int, int]] = []
     view = memoryview(data)
     pos = 0
     while pos < len(data):
@@ -136,8 +145,8 @@ def parse_sample(data: bytes | memoryview, url: str, key: str, limits: ReadLimit
             raise ShardError(url, f"sample {key!r}: unexpected member name {name[:120]!r}")
         if size > limits.max_member_bytes or pos + BLOCK + size > len(data):
             raise ShardError(url, f"sample {key!r}: member {name!r} claims {size} bytes, beyond the cap or the sample's range")
-        if ext in members or len(members) == limits.max_members:
+        if any(e == ext for e, _, _ in members) or len(members) == limits.max_members:
             raise ShardError(url, f"sample {key!r}: duplicate member {name!r} or more than {limits.max_members} members")
-        members[ext] = view[pos + BLOCK : pos + BLOCK + size]
+        members.append((ext, pos, size))
         pos += BLOCK + size + (-size % BLOCK)
     return members

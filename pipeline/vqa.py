@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset
 from pipeline.collate import empty
 from pipeline.errors import SampleError
 from pipeline.format import (
-    VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, ShardInfo, unpack_record,
+    VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, unpack_record,
 )
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import fit
@@ -84,11 +84,9 @@ class VqaSample:
     questions: list[dict[str, Any]]  # VQA_QUESTION_FIELDS each
 
 
-def units(shard: ShardInfo, options: VqaOptions) -> np.ndarray | None:
-    """Questions per sample with per="question" (None in the manifest: one each); one unit per image otherwise."""
-    if options.per == "image" or shard.units is None:
-        return None
-    return np.asarray(shard.units, dtype=np.int64)
+def units(options: VqaOptions) -> bool:
+    """per="question" yields a sample's questions one by one (its units); per="image" the image once."""
+    return options.per == "question"
 
 
 def _check(ok: bool, url: str, key: str, field: str, message: str) -> None:

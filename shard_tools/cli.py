@@ -1,4 +1,5 @@
-"""`shard-pack`: pack datasets into shards (`sa1b`, `vqa`, `embeddings`), and read them back (`inspect`, `verify`).
+"""`shard-pack`: pack datasets into shards (`sa1b`, `vqa`, `embeddings`), read them back (`inspect`,
+`verify`), and bring older datasets to the current schema (`upgrade`).
 
 Exit codes: 0 done; 1 the data has problems (too many skipped inputs, embeddings input that fails
 its checks, `verify` findings); 2 the command cannot run as asked (bad arguments, output folder
@@ -19,7 +20,7 @@ from pipeline.storage import read_manifest
 from shard_tools.embeddings import SCHEMA_NAME, pack_embeddings
 from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits
 from shard_tools.sa1b import Sa1bSource
-from shard_tools.verify import describe, verify
+from shard_tools.verify import describe, upgrade, verify
 from shard_tools.vqa import LAYOUTS, VqaSource, pack_vqa
 
 __all__ = ["main"]
@@ -96,7 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
 
     for name, text in (("inspect", "print a dataset's manifest summary"),
-                       ("verify", "check every shard's checksum and decode every sample")):
+                       ("verify", "check every shard's checksum and index, and decode every sample"),
+                       ("upgrade", "write the shard indexes and manifest of the current schema for an older dataset, "
+                        "in place (no shard is rewritten; safe to run again)")):
         sub.add_parser(name, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
     return parser
 
@@ -130,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(summary.lines()))
         elif args.command == "inspect":
             print("\n".join(describe(read_manifest(args.out), args.out)))
+        elif args.command == "upgrade":
+            print(upgrade(args.out, progress=not args.quiet))
         else:
             problems = verify(args.out, progress=not args.quiet)
             for problem in problems:

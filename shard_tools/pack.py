@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from pipeline.errors import SampleError
-from pipeline.format import MANIFEST_NAME, Manifest, ShardInfo, shard_name
+from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name, shard_name
 from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import ShardWriter
 
@@ -187,14 +187,16 @@ def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         if not local:
             target = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="shard-pack-")), task.name)
-        record = _write_shard(source, task, target)
+        record, index = _write_shard(source, task, target)
         if not local:
             with_retries(Retry(), join(out, task.name), lambda: fs.put_file(target, join(base, task.name)))
+    write_bytes(fs, join(base, index_name(task.name)), index)  # after its shard, before the record
     write_bytes(fs, join(base, f"{STATE_DIR}/{task.name}.json"), json.dumps(record).encode())
     return record
 
 
-def _write_shard(source: Source, task: _Task, path: str) -> dict[str, Any]:
+def _write_shard(source: Source, task: _Task, path: str) -> tuple[dict[str, Any], bytes]:
+    """(the task's record, the shard's index file)."""
     writer = ShardWriter(path)
     skipped, counts, units = [], {"samples": 0}, []
     try:
@@ -213,9 +215,10 @@ def _write_shard(source: Source, task: _Task, path: str) -> dict[str, Any]:
     except BaseException:
         writer.abort()
         raise
-    info = ShardInfo(task.name, writer.size, sha, tuple(writer.keys), tuple(writer.offsets),
-                     tuple(units) if any(u != 1 for u in units) else None)
-    return {"shard": info.to_json(), "skipped": skipped, "counts": counts, "split": task.split}
+    index = ShardIndex.build(writer.keys, units, writer.members).to_bytes(writer.size)
+    shard = {"name": task.name, "samples": len(writer.keys), "units": sum(units), "bytes": writer.size, "sha256": sha,
+             "index": [index_name(task.name), len(index), hashlib.sha256(index).hexdigest()]}
+    return {"shard": shard, "skipped": skipped, "counts": counts, "split": task.split}, index
 
 
 @dataclasses.dataclass
@@ -325,7 +328,7 @@ def pack(
     records: dict[str, dict[str, Any]] = {}
     for task in tasks:
         record_path = join(state, task.name + ".json")
-        if _exists(fs, record_path) and _exists(fs, join(base, task.name)):
+        if _exists(fs, record_path) and _exists(fs, join(base, task.name)) and _exists(fs, join(base, index_name(task.name))):
             records[task.name] = json.loads(fs.cat_file(record_path))
     reused = len(records)
     todo = [t for t in tasks if t.name not in records]
@@ -350,15 +353,15 @@ def pack(
             f"in {out} but no manifest was written (fix the input, or run again with a higher --max-skipped)"
         )
     names = [n for n, _ in options.splits] if options.splits is not None else sorted({t.split for t in tasks})
-    splits = {name: tuple(ShardInfo.from_json(records[t.name]["shard"], out) for t in tasks if t.split == name)
-              for name in names}
+    splits = {name: tuple(_shard_info(records[t.name]["shard"]) for t in tasks if t.split == name) for name in names}
     manifest = Manifest(source.kind, splits, stored_options, fingerprint, tuple(all_skipped))
-    write_bytes(fs, manifest_path, manifest.to_json())
+    write_bytes(fs, manifest_path, manifest.to_json())  # last: it lists only shards and indexes already in place
     fs.rm(state, recursive=True)
     if is_local(fs):
         for task in tasks:  # debris of writers killed in an earlier run
-            for partial in glob.glob(glob.escape(join(base, task.name)) + ".partial-*"):
-                os.unlink(partial)
+            for name in (task.name, index_name(task.name)):
+                for partial in glob.glob(glob.escape(join(base, name)) + ".partial-*"):
+                    os.unlink(partial)
     counts: dict[str, int] = {}
     for record in records.values():
         for name, value in record["counts"].items():
@@ -366,6 +369,11 @@ def pack(
     summary = _summary(manifest, reused, time.monotonic() - started)
     summary.counts = counts
     return summary
+
+
+def _shard_info(record: dict[str, Any]) -> ShardInfo:
+    index = IndexInfo(*record["index"])
+    return ShardInfo(record["name"], record["samples"], record["units"], record["bytes"], record["sha256"], index)
 
 
 def _exists(fs: Any, path: str) -> bool:

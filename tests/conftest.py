@@ -7,11 +7,13 @@ import logging
 import os
 import pathlib
 import tarfile
+from typing import Any
 
 import pytest
 from hypothesis import settings
 
-from pipeline.format import Manifest
+from pipeline.format import Manifest, ShardIndex, ShardInfo
+from pipeline.storage import filesystem, read_index, read_manifest, shard_indexes
 
 from shard_tools.pack import PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
@@ -50,9 +52,30 @@ def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
 def sa1b_sample(sa1b_dataset: str) -> tuple[str, bytes, bytes, bytes]:
     """One valid packed sample: its key, its raw bytes in the shard, its jpg and msgpack members."""
     manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
-    shard = manifest.splits["train"][0]
+    shard, index = indexed(sa1b_dataset)[0]
     data = pathlib.Path(sa1b_dataset, shard.name).read_bytes()
-    raw = data[shard.offsets[0] : shard.offsets[1]]
+    start, end = index.span(0)
+    raw = data[start:end]
     with tarfile.open(fileobj=io.BytesIO(raw + b"\0" * 1024)) as archive:
         jpg, ann = (archive.extractfile(m).read() for m in archive.getmembers())
-    return shard.keys[0], raw, jpg, ann
+    return index.key(0), raw, jpg, ann
+
+
+def indexed(root: str, split: str = "train", **storage: Any) -> list[tuple[ShardInfo, ShardIndex]]:
+    """Each shard of a split with its index (keys, spans, units)."""
+    return list(shard_indexes(root, read_manifest(root, storage or None), split, storage or None))
+
+
+def index_of(root: str, shard: ShardInfo) -> ShardIndex:
+    fs, base = filesystem(root)
+    return read_index(fs, base, root, shard)
+
+
+def split_keys(root: str, split: str = "train", **storage: Any) -> list[str]:
+    """Every key of a split, in shard order."""
+    return [key for _, index in indexed(root, split, **storage) for key in index.key_list()]
+
+
+def split_units(root: str, split: str = "train") -> list[tuple[str, int]]:
+    """(key, units) of every sample of a split, in shard order."""
+    return [(key, int(u)) for _, index in indexed(root, split) for key, u in zip(index.key_list(), index.units)]

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from pipeline import make_stream_loader
 from pipeline.format import Manifest
+from conftest import split_keys
 
 
 def _free_port() -> int:
@@ -46,7 +47,7 @@ def test_two_ranks_two_workers_each_sample_once(sa1b_dataset, tmp_path, shuffle,
     with open(out) as f:
         ranks = json.load(f)
     manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
-    split = [k for s in manifest.splits["train"] for k in s.keys]
+    split = split_keys(sa1b_dataset)
     keys = [k for r in ranks for b in r["batches"] for k in b]
     assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) == ranks[0]["len"] == ranks[1]["len"] > 0
     assert len(keys) == len(set(keys))

@@ -19,7 +19,6 @@ import pytest
 from PIL import Image
 
 from pipeline import ManifestError, ShardstreamError, make_stream_loader
-from pipeline.format import Manifest, ShardInfo
 from pipeline.tario import BLOCK
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
@@ -59,8 +58,13 @@ def _dataset(root: pathlib.Path, samples: list[tuple[str, bytes]], tail: bytes |
         pos += len(raw)
     offsets.append(pos)
     (root / "train-000000.tar").write_bytes(data if tail is not None else data[: offsets[-2] + (pos - offsets[-2]) // 2])
-    shard = ShardInfo("train-000000.tar", len(data), hashlib.sha256(data).hexdigest(), tuple(k for k, _ in samples), tuple(offsets))
-    (root / "manifest.json").write_bytes(Manifest("sa1b", {"train": (shard,)}, {}, "hostile").to_json())
+    # A schema-2 manifest: it lists the hostile samples' byte ranges without an index file, whose
+    # own hostile forms have tests of their own (test_index.py); the reader takes the same path.
+    shard = {"name": "train-000000.tar", "samples": len(samples), "bytes": len(data),
+             "sha256": hashlib.sha256(data).hexdigest(), "keys": [k for k, _ in samples], "offsets": offsets}
+    manifest = {"format": "shardstream", "schema_version": 2, "kind": "sa1b", "fingerprint": "hostile", "options": {},
+                "skipped": [], "splits": {"train": {"samples": len(samples), "shards": [shard]}}}
+    (root / "manifest.json").write_text(json.dumps(manifest))
     return str(root)
 
 

@@ -18,6 +18,7 @@ from pipeline import SampleError, ShardError, make_stream_loader, validate_first
 from pipeline.format import Manifest
 from pipeline.rle import fit, nearest_index
 from pipeline.sa1b import Sa1bOptions, check_batch, choose_masks
+from conftest import indexed, split_keys
 
 SMALL = dict(image_size=64, mask_size=32, max_masks=5)
 
@@ -65,7 +66,7 @@ def test_persistent_workers_follow_set_epoch(sa1b_dataset):
 
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_every_sample_once_across_ranks_and_workers(sa1b_dataset, drop_last):
-    train = [k for s in _manifest(sa1b_dataset).splits["train"] for k in s.keys]
+    train = split_keys(sa1b_dataset)
     for world_size in (1, 2, 3):
         for workers in (0, 2, 3):
             seen, lengths = [], set()
@@ -98,7 +99,7 @@ def test_fewer_shards_than_workers(sa1b_src, tmp_path):
 def test_no_shuffle_gives_manifest_order(sa1b_dataset):
     loader = make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=2, shuffle=False, drop_last=False, **SMALL)
     keys = [k for b in _epoch(loader, 5) for k in b["keys"]]
-    assert keys == [k for s in _manifest(sa1b_dataset).splits["val"] for k in s.keys]
+    assert keys == split_keys(sa1b_dataset, "val")
 
 
 def _sources(sa1b_src: pathlib.Path) -> dict[str, tuple[bytes, dict]]:
@@ -189,10 +190,10 @@ def corrupted(sa1b_dataset, tmp_path) -> tuple[str, str, str]:
     """A copy of the dataset with one sample's annotation member damaged: (root, shard name, key)."""
     root = tmp_path / "corrupt"
     shutil.copytree(sa1b_dataset, root)
-    shard = _manifest(str(root)).splits["train"][0]
+    shard, index = indexed(str(root))[0]
     data = bytearray((root / shard.name).read_bytes())
-    key = shard.keys[1]
-    start = shard.offsets[1]
+    key = index.key(1)
+    start = index.span(1)[0]
     jpg_size = int(data[start + 124 : start + 136].rstrip(b"\0"), 8)
     ann = start + 512 + jpg_size + (-jpg_size % 512) + 512  # the msgpack member's data
     data[ann : ann + 8] = b"\xc1" * 8  # 0xc1 is never valid msgpack

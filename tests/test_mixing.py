@@ -10,6 +10,7 @@ from pipeline import make_stream_loader
 from shard_tools.pack import PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.sample_data import write_sa1b
+from conftest import split_keys
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
 
@@ -34,7 +35,7 @@ def _keys(loader, epoch):
 def test_concatenation_yields_every_sample_of_every_source_once(sa1b_dataset, second):
     loader = make_stream_loader([sa1b_dataset, second], "train", batch_size=2, num_workers=2, drop_last=False, **SMALL)
     keys = _keys(loader, 0)
-    first = [k for s in loader.manifests[0].splits["train"] for k in s.keys]
+    first = split_keys(sa1b_dataset)
     assert sorted(keys) == sorted(first + [f"mix_{i}" for i in range(1, 7)])
     assert keys != sorted(keys), "shuffled across sources"
 

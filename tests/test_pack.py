@@ -16,6 +16,7 @@ from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits, split_of
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.sample_data import write_sa1b
+from conftest import indexed, split_keys
 
 
 def _files(folder: str | pathlib.Path) -> dict[str, bytes]:
@@ -37,15 +38,19 @@ def test_repeat_pack_is_byte_identical_whatever_workers(sa1b_src, sa1b_dataset, 
 def test_manifest_describes_the_shards(sa1b_dataset):
     manifest = Manifest.from_json((pathlib.Path(sa1b_dataset) / "manifest.json").read_bytes(), "m")
     assert manifest.kind == "sa1b" and set(manifest.splits) == {"train", "val"}
-    keys = [k for shards in manifest.splits.values() for s in shards for k in s.keys]
+    keys = [k for split in manifest.splits for k in split_keys(sa1b_dataset, split)]
     assert sorted(keys) == sorted(f"sa_{i}" for i in range(1, 15))
-    for shards in manifest.splits.values():
-        for shard in shards:
+    for split in manifest.splits:
+        for shard, index in indexed(sa1b_dataset, split):
             data = (pathlib.Path(sa1b_dataset) / shard.name).read_bytes()
-            assert len(data) == shard.bytes and 1 <= shard.samples <= 3
-            for key, offset in zip(shard.keys, shard.offsets):
-                assert data[offset : offset + 100].rstrip(b"\0") == f"{key}.jpg".encode()
-            assert data[shard.offsets[-1] :] == b"\0" * 1024
+            assert len(data) == shard.bytes and 1 <= shard.samples == shard.units <= 3
+            assert index.spans[1:, 0].tolist() == index.spans[:-1, 1].tolist(), "samples are adjacent"
+            for i, key in enumerate(index.key_list()):
+                (jpg, at, size), (ann, at2, _) = index.sample_members(i)
+                assert (jpg, ann, at) == ("jpg", "msgpack", index.span(i)[0])
+                assert data[at : at + 100].rstrip(b"\0") == f"{key}.jpg".encode()
+                assert data[at + 512 : at + 514] == b"\xff\xd8" and at2 == at + 512 + size + (-size % 512)
+            assert data[index.spans[-1, 1] :] == b"\0" * 1024
 
 
 def test_splits_are_deterministic_by_key():
@@ -144,7 +149,7 @@ def test_bad_input_is_skipped_named_and_listed(bad_source, tmp_path):
         assert text in reasons[key], reasons[key]
         assert f"{key}.jpg" in reasons[key] or f"{key}.json" in reasons[key], "names the file"
         assert repr(key) in reasons[key], "names the key"
-    kept = [k for s in manifest.splits["train"] for k in s.keys]
+    kept = split_keys(str(out))
     assert sorted(kept) == ["sa_10", "sa_11", "sa_12", "sa_9"], "the good samples all land (sa_9: first copy)"
     assert main(["verify", str(out)]) == 0
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipeline import make_stream_loader
+from conftest import split_keys
 
 SMALL = dict(image_size=48, mask_size=16, max_masks=3)
 
@@ -87,7 +88,7 @@ def test_resume_in_a_fresh_process(sa1b_dataset):
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (3, 2)])
 def test_elastic_resume_takes_every_sample_once(sa1b_dataset, before, after):
-    split = sorted(k for s in _loader(sa1b_dataset).manifest.splits["train"] for k in s.keys)
+    split = sorted(split_keys(sa1b_dataset))
     loaders = [_loader(sa1b_dataset, rank=r, world_size=before, drop_last=False) for r in range(before)]
     seen = [k for loader in loaders for b in _run(loader, 1, stop=1) for k in b["keys"]]
     state = loaders[0].state_dict()

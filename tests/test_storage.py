@@ -11,6 +11,7 @@ import pathlib
 import uuid
 import weakref
 
+import numpy as np
 import pytest
 import s3fs
 import torch
@@ -23,6 +24,7 @@ from pipeline.storage import Retry, filesystem, read_range
 from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
+from conftest import indexed
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
 FAST = Retry(attempts=4, initial_delay=0.01, max_delay=0.05)
@@ -139,26 +141,29 @@ def test_pack_to_a_missing_bucket_is_a_clear_error(sa1b_src, server, monkeypatch
 
 
 def test_range_reads_fetch_only_the_sample(remote, sa1b_dataset, proxy):
-    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
-    shard = manifest.splits["train"][1]
+    shard, index = indexed(sa1b_dataset)[1]
     fs, base = filesystem(f"{remote}/{shard.name}", storage_options(proxy.endpoint))
-    start, end = shard.offsets[1], shard.offsets[2]
-    data = read_range(fs, base, shard.name, start, end, shard.keys[1])
+    start, end = index.span(1)
+    data = read_range(fs, base, shard.name, start, end, index.key(1))
     assert data == pathlib.Path(sa1b_dataset, shard.name).read_bytes()[start:end]
     assert [r.headers["range"] for r in proxy.gets()] == [f"bytes={start}-{end - 1}"]
     assert proxy.gets()[0].response_bytes - (end - start) < 1024  # the sample and the response head
 
 
-def test_first_batch_reads_little_more_than_its_samples(remote, sa1b_dataset, proxy):
-    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
+def test_first_batch_reads_the_manifest_its_shards_indexes_and_its_samples_only(remote, sa1b_dataset, proxy):
     loader = make_stream_loader(remote, "train", batch_size=2, num_workers=0, read_ahead=0,
                                 storage_options=storage_options(proxy.endpoint), **SMALL)
     batch = next(iter(loader))
-    sizes = {k: s.offsets[i + 1] - s.offsets[i] for s in manifest.splits["train"] for i, k in enumerate(s.keys)}
-    needed = sum(sizes[k] for k in batch["keys"])
-    fetched = sum(r.response_bytes for r in proxy.gets())
+    where = {k: (shard, index, i) for shard, index in indexed(sa1b_dataset) for i, k in enumerate(index.key_list())}
+    touched = {where[k][0].name: where[k][0].index for k in batch["keys"]}
+    needed = sum(int(np.diff(where[k][1].spans[where[k][2]])[0]) for k in batch["keys"])
     manifest_bytes = len(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes())
-    assert fetched < manifest_bytes + needed + 2 * 1024, (fetched, manifest_bytes, needed)
+    gets = proxy.gets()
+    names = sorted(r.target.split("?")[0].rsplit("/", 1)[1] for r in gets)
+    assert names == sorted(["manifest.json", *(i.name for i in touched.values()), *(where[k][0].name for k in batch["keys"])])
+    fetched = sum(r.response_bytes for r in gets)
+    indexes = sum(i.bytes for i in touched.values())
+    assert fetched < manifest_bytes + indexes + needed + len(gets) * 1024, (fetched, manifest_bytes, indexes, needed)
 
 
 def _shard_gets(proxy: FaultProxy) -> list[str]:
