@@ -26,6 +26,7 @@ from pipeline.format import (
 from shard_tools.cli import main
 from shard_tools.embeddings import EmbeddingsSource, pack_embeddings
 from shard_tools.pack import PackOptions, pack
+from conftest import indexed, split_units
 
 N, D, K, CLUSTERS, SOURCES = 300, 8, 3, 16, 50
 SPLITS = {"train": 210, "val": 45, "test": 40}  # 5 rows in no split
@@ -138,7 +139,7 @@ def test_manifest_blocks_and_splits(emb_src, emb_dataset):
     assert fields["cluster_id"]["bound"] == CLUSTERS and fields["source_row"]["bound"] == SOURCES
     assert fields["relevance"]["range"] == [0, 1] and len(fields["relevance"]["sha256"]) == 64
     for split, count in SPLITS.items():
-        units = [u for shard in manifest.splits[split] for u in (shard.units or [1] * shard.samples)]
+        units = [u for _, u in split_units(emb_dataset, split)]
         assert sum(units) == count and all(u == BLOCK for u in units[:-1]) and 1 <= units[-1] <= BLOCK
         assert all(shard.samples <= 4 for shard in manifest.splits[split])
 
@@ -221,14 +222,14 @@ def test_repeat_pack_is_byte_identical_whatever_workers(emb_src, emb_dataset, tm
 
 def test_blocks_are_typed_columns_that_stock_tar_readers_see(emb_dataset):
     manifest = Manifest.from_json((pathlib.Path(emb_dataset) / "manifest.json").read_bytes(), "m")
-    shard = manifest.splits["val"][0]
+    shard, index = indexed(emb_dataset, "val")[0]
     with tarfile.open(pathlib.Path(emb_dataset) / shard.name) as archive:
         names = archive.getnames()
         table, data = (archive.extractfile(n).read() for n in names[:2])
-    assert names[:2] == [f"{shard.keys[0]}.msgpack", f"{shard.keys[0]}.bin"]
+    assert names[:2] == [f"{index.key(0)}.msgpack", f"{index.key(0)}.bin"]
     columns = unpack_columns(table, data)
     assert list(columns) == ["row", *FIELDS] and columns["steering"][0] == "bfloat16"
-    assert len(columns["row"][1]) == shard.units[0] and list(columns["row"][1]) == sorted(columns["row"][1])
+    assert len(columns["row"][1]) == index.units[0] and list(columns["row"][1]) == sorted(columns["row"][1])
 
 
 # -- bad input: named errors, nothing written -------------------------------------------------------
@@ -429,19 +430,19 @@ def test_shuffle_is_a_row_permutation_deterministic_per_seed_and_epoch(emb_src, 
 def test_a_broken_block_is_skipped_whole_and_counted(emb_dataset, tmp_path):
     root = tmp_path / "broken"
     shutil.copytree(emb_dataset, root)
-    shard = Manifest.from_json((root / "manifest.json").read_bytes(), "m").splits["train"][0]
+    shard, index = indexed(str(root))[0]
     with open(root / shard.name, "r+b") as f:  # the second block's first tar header: its checksum
-        f.seek(shard.offsets[1] + 148)
+        f.seek(index.span(1)[0] + 148)
         f.write(b"0000000\0")
     in_order = _rows(_epoch(_loader(emb_dataset, shuffle=False, drop_last=False)))
-    lost = set(in_order[shard.units[0] : shard.units[0] + shard.units[1]])
+    lost = set(in_order[index.units[0] : index.units[0] + index.units[1]])
     clean = _rows(_epoch(_loader(emb_dataset, batch_size=32)))  # (no batch of only broken rows: that is an error)
     assert len(lost) == BLOCK and lost & set(clean)
     for workers in (0, 2):
         loader = _loader(str(root), num_workers=workers, on_error="skip", batch_size=32)
         rows = _rows(_epoch(loader))
         assert sorted(rows) == sorted(set(clean) - lost) and loader.skipped == len(lost & set(clean))
-    with pytest.raises(ShardError, match=f"{shard.keys[1]}.*checksum mismatch"):
+    with pytest.raises(ShardError, match=f"{index.key(1)}.*checksum mismatch"):
         list(_loader(str(root)))
 
 
@@ -647,11 +648,11 @@ def test_verify_passes_and_catches_a_corrupted_value(emb_dataset, tmp_path, caps
     for name, data in _files(emb_dataset).items():
         (copy / name).write_bytes(data)
     manifest = Manifest.from_json((copy / "manifest.json").read_bytes(), "m")
-    shard = manifest.splits["train"][1]
+    shard, index = indexed(str(copy))[1]
     path = copy / shard.name
     with tarfile.open(path) as archive:
-        member = archive.getmember(f"{shard.keys[0]}.bin")
-        table = archive.extractfile(f"{shard.keys[0]}.msgpack").read()
+        member = archive.getmember(f"{index.key(0)}.bin")
+        table = archive.extractfile(f"{index.key(0)}.msgpack").read()
     offset = next(c[3] for c in unpack_record(table)["columns"] if c[0] == "relevance")
     data = bytearray(path.read_bytes())
     data[member.offset_data + offset : member.offset_data + offset + 4] = np.float32(7.5).tobytes()
@@ -659,7 +660,7 @@ def test_verify_passes_and_catches_a_corrupted_value(emb_dataset, tmp_path, caps
     assert main(["-q", "verify", str(copy)]) == 1
     out = capsys.readouterr().out
     assert f"{shard.name}: SHA-256" in out
-    assert f"sample {shard.keys[0]!r}, field 'relevance': row" in out and "value 7.5: outside the declared range" in out
+    assert f"sample {index.key(0)!r}, field 'relevance': row" in out and "value 7.5: outside the declared range" in out
 
 
 def test_cli_pack_and_inspect(emb_src, emb_dataset, tmp_path, capsys):

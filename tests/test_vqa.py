@@ -25,6 +25,7 @@ from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, TooManySkipped
 from shard_tools.sample_vqa import write_images, write_vqa
 from shard_tools.vqa import VqaSource, detect_layout, image_key, pack_vqa
+from conftest import index_of, indexed, split_units
 
 LAYOUTS = ("vqa-rad", "slake", "llava")
 SPLITS = {"train": 8, "val": 3, "test": 3}
@@ -98,8 +99,7 @@ def test_each_layout_packs_every_question_and_field_once_per_image(layout, colle
     samples = _samples(packed[layout])
     manifest = _manifest(packed[layout])
     assert manifest.kind == "vqa" and set(manifest.splits) == set(SPLITS) and not manifest.skipped
-    units = {(split, k): u for split, shards in manifest.splits.items() for s in shards
-             for k, u in zip(s.keys, s.units or [1] * s.samples)}
+    units = {(split, k): u for split in manifest.splits for k, u in split_units(str(packed[layout]), split)}
     for split, file in files.items():
         expected = _expected(layout, json.loads(file.read_text()))
         got = {record["image"]["path"]: (key, ext, data, record) for (s, key), (ext, data, record) in samples.items()
@@ -130,8 +130,8 @@ def test_one_image_with_many_questions_is_stored_once_per_split(tmp_path):
     assert len(samples) == 2
     record = samples[("train", image_key("a.jpg"))][2]
     assert [q["record"] for q in record["questions"]] == list(range(40))
-    shard, = _manifest(tmp_path / "out").splits["train"]
-    assert sorted(shard.units) == [1, 40]
+    (shard, index), = indexed(str(tmp_path / "out"))
+    assert sorted(index.units.tolist()) == [1, 40] and shard.units == 41
     assert (tmp_path / "out" / shard.name).read_bytes().count((images / "a.jpg").read_bytes()) == 1
 
 
@@ -381,8 +381,7 @@ def test_cli_inspect_and_verify_find_a_damaged_image(packed, tmp_path, capsys):
 
 
 def _units(root, split="train") -> set[tuple[str, int]]:
-    return {(k, i) for s in _manifest(root).splits[split] for k, u in zip(s.keys, s.units or [1] * s.samples)
-            for i in range(u)}
+    return {(k, i) for k, u in split_units(str(root), split) for i in range(u)}
 
 
 @pytest.mark.parametrize("per", ["question", "image"])
@@ -537,21 +536,21 @@ def _broken_record(dataset: str, tmp_path: pathlib.Path, index: int, garbage: by
     msgpack record (the member after the image): (root, shard)."""
     root = tmp_path / "broken"
     shutil.copytree(dataset, root)
-    shard = _manifest(root).splits["train"][0]
+    shard, shard_index = indexed(str(root))[0]
     data = bytearray((root / shard.name).read_bytes())
-    start = shard.offsets[index]
+    start = shard_index.span(index)[0]
     size = int(data[start + 124 : start + 136].rstrip(b"\0"), 8)  # the image member's size field
     record = start + 512 + size + (-size % 512) + 512
     data[record : record + len(garbage)] = garbage
     (root / shard.name).write_bytes(bytes(data))
-    return root, shard
+    return root, shard, shard_index
 
 
 def test_trl_dataset_errors_reach_the_trainer(packed, tmp_path):
-    root, shard = _broken_record(packed["llava"], tmp_path, 1, b"\xc1" * 4)
+    root, shard, index = _broken_record(packed["llava"], tmp_path, 1, b"\xc1" * 4)
     loader = torch.utils.data.DataLoader(trl_dataset(str(root), "train", shuffle=False), batch_size=2, num_workers=2,
                                          collate_fn=lambda x: x)
-    with pytest.raises(RuntimeError, match=rf"{shard.name}: sample {shard.keys[1]!r}, field 'msgpack': cannot unpack"):
+    with pytest.raises(RuntimeError, match=rf"{shard.name}: sample {index.key(1)!r}, field 'msgpack': cannot unpack"):
         list(loader)
 
 
@@ -562,7 +561,7 @@ def test_stock_webdataset_reads_the_shards(packed):
     for shards in manifest.splits.values():
         urls = [str(pathlib.Path(packed["slake"]) / s.name) for s in shards]
         samples = list(webdataset.WebDataset(urls, shardshuffle=False))
-        assert [s["__key__"] for s in samples] == [k for s in shards for k in s.keys]
+        assert [s["__key__"] for s in samples] == [k for s in shards for k in index_of(packed["slake"], s).key_list()]
         for sample in samples:
             record = msgpack.unpackb(sample["msgpack"])
             ext = {"JPEG": "jpg", "PNG": "png"}[record["image"]["format"]]
@@ -571,14 +570,14 @@ def test_stock_webdataset_reads_the_shards(packed):
 
 
 def test_trl_dataset_skips_within_each_epochs_budget(packed, tmp_path):
-    root, shard = _broken_record(packed["llava"], tmp_path, 0, b"\xc1")  # the first sample's record
-    lost = (shard.units or [1])[0]
+    root, shard, index = _broken_record(packed["llava"], tmp_path, 0, b"\xc1")  # the first sample's record
+    lost = int(index.units[0])
     ds = trl_dataset(str(root), "train", on_error="skip", max_errors=lost, image_size=16)
     for epoch in range(3):
         ds.set_epoch(epoch)
         loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=lambda x: x)
         keys = [x["key"] for batch in loader for x in batch]
-        assert len(keys) == len(_units(root)) - lost and shard.keys[0] not in keys
+        assert len(keys) == len(_units(root)) - lost and index.key(0) not in keys
     assert int(ds.skipped[0].sum()) == 3 * lost
 
 
