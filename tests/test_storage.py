@@ -184,9 +184,13 @@ def test_cache_fetches_each_shard_once_for_two_workers_then_serves_locally(remot
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.tar")) == \
         sorted(f"{s.sha256}.tar" for s in manifest.splits["train"])
     assert not list((tmp_path / "cache").glob("*.partial-*"))
+    gets = [r.target.split("?")[0].rsplit("/", 1)[1] for r in proxy.gets()]
+    assert gets.count("manifest.json") == 1, "the manifest fetched once (then read from the cache)"
+    assert sorted(n for n in gets if n.endswith(".idx")) == sorted({s.index.name for s in manifest.splits["train"]}), \
+        "each index fetched once, for both workers"
     proxy.clear()
-    _same(_epoch(remote, **options), local)  # warm: no shard request at all
-    assert [r for r in proxy.requests if ".tar" in r.target] == []
+    _same(_epoch(remote, **options), local)  # warm: no shard, index or manifest download at all
+    assert [r.target for r in proxy.gets()] == [] and {r.method for r in proxy.requests} <= {"HEAD"}
 
 
 def test_cache_stays_under_its_limit_evicting_least_recently_used(remote, sa1b_dataset, proxy, tmp_path):
