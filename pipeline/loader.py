@@ -272,7 +272,10 @@ class _ShardStream(IterableDataset):
             shard = np.searchsorted(source.first_item, ids[mine], side="right") - 1
             local = ids[mine] - source.first_item[shard]
             touched = np.unique(shard).tolist()
-            indexes = dict(zip(touched, pool.map(lambda i: reader.index(source.split[i]), touched)))
+            missing = [source.split[i] for i in touched if not reader.holds_index(source.split.names[i])]
+            if len(missing) > 1:  # fetched at the same time
+                list(pool.map(reader.index, missing))
+            indexes = {i: reader.index(source.split[i]) for i in touched}
             for i in touched:
                 at = shard == i
                 if source.by_units:

@@ -412,6 +412,9 @@ class ShardReader:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._maps: collections.OrderedDict[tuple[str, int, int], memoryview] = collections.OrderedDict()
 
+    def holds_index(self, name: str) -> bool:
+        return name in self._indexes
+
     def index(self, shard: ShardInfo) -> ShardIndex:
         """The shard's index: fetched when first asked for, then kept (least recently used dropped
         past `index_bytes`, but the newest)."""
