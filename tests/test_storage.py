@@ -8,6 +8,7 @@ import hashlib
 import multiprocessing
 import os
 import pathlib
+import shutil
 import uuid
 import weakref
 
@@ -24,6 +25,7 @@ from pipeline.storage import Retry, filesystem, read_range
 from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
+from shard_tools.verify import upgrade
 from conftest import indexed
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
@@ -273,3 +275,19 @@ def test_bad_credentials_and_missing_bucket_are_clear_errors(remote, server):
     with pytest.raises(ManifestError, match="bucket does not exist"):
         make_stream_loader("s3://no-such-bucket/sa1b", "train", batch_size=2, num_workers=0,
                            storage_options=storage_options(server.endpoint), **SMALL)
+
+
+def test_upgrade_in_place_on_object_storage(server, sa1b_dataset, tmp_path):
+    from test_index import _downgrade
+
+    old = tmp_path / "old"
+    shutil.copytree(sa1b_dataset, old)
+    _downgrade(old)
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    url = f"s3://{_bucket(server)}/old"
+    fs.put(str(old) + "/", url.removeprefix("s3://") + "/", recursive=True)
+    _same(_epoch(url, storage_options=storage_options(server.endpoint)), _epoch(sa1b_dataset))  # schema 2, as it is
+    assert "upgraded from schema 2" in upgrade(url, progress=False, storage_options=storage_options(server.endpoint))
+    for path in pathlib.Path(sa1b_dataset).iterdir():
+        assert fs.cat_file(f"{url}/{path.name}".removeprefix("s3://")) == path.read_bytes(), path.name
+    _same(_epoch(url, storage_options=storage_options(server.endpoint)), _epoch(sa1b_dataset))
