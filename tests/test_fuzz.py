@@ -1,4 +1,4 @@
-"""Fuzzing the reader and the SA-1B decoder: mutated shards give valid samples or the project's
+"""Fuzzing the reader, the shard index and the SA-1B decoder: mutated shards give valid samples or the project's
 own errors, never another exception, never a hang. `make fuzz` runs it longer."""
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import ShardstreamError
+from pipeline.errors import ShardIndexError, ShardstreamError
+from pipeline.format import ShardIndex
 from pipeline.sa1b import Sa1bOptions, decode_sample
 from pipeline.tario import BLOCK, parse_sample
 from test_hostile import _member
+from test_index import _index
 
 OPTIONS = Sa1bOptions(image_size=32, mask_size=8, max_masks=4)
 
@@ -63,3 +65,21 @@ def test_mutated_annotation_record(sa1b_sample, data):
     """The JPEG stays valid so the decoder gets to the msgpack record every time."""
     key, _, jpg, ann = sa1b_sample
     _check(_member(f"{key}.jpg", jpg) + _member(f"{key}.msgpack", _mutate(ann, data.draw)), key)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_mutated_index_is_parsed_exactly_or_refused(data):
+    """Fuzz: any mutation either parses to an index whose entries stay in bounds, or is refused."""
+    raw = bytearray(_index().to_bytes(8192))
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw[at] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[: data.draw(st.integers(0, len(raw)))]
+    try:
+        index = ShardIndex.from_bytes(bytes(raw), "i.idx", samples=3, units=6, shard_bytes=8192)
+    except ShardIndexError:
+        return
+    assert (index.spans[:, 1] <= 8192).all() and (index.spans[:, 0] < index.spans[:, 1]).all()
+    assert all(key for key in index.key_list())
