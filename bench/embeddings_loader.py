@@ -114,7 +114,7 @@ def run_transport(data: pathlib.Path, workers: int, batch_size: int, epochs: int
     from pipeline.format import Manifest
 
     manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
-    batches = sum(sum(s.units) for s in manifest.splits["train"]) // batch_size
+    batches = manifest.splits["train"].units // batch_size
     nbytes = batch_size * (8 + sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for dtype, shape, _ in FIELDS.values()))
 
     class ShipOnly(IterableDataset):

@@ -74,14 +74,14 @@ def timed_epochs(loader, epochs: int, field: str) -> dict:
 
 def packed_samples(shards: pathlib.Path, split: str = "train"):  # -> Iterator[tuple[str, dict[str, bytes]]]
     """(key, members) of every sample of a packed split, read from memory."""
-    from pipeline.format import Manifest
+    from pipeline.storage import read_manifest, shard_indexes
     from pipeline.tario import parse_sample
 
-    manifest = Manifest.from_json((shards / "manifest.json").read_bytes(), "m")
-    for shard in manifest.splits[split]:
+    for shard, index in shard_indexes(str(shards), read_manifest(str(shards)), split):
         blob = (shards / shard.name).read_bytes()
-        for i, key in enumerate(shard.keys):
-            members = parse_sample(blob[shard.offsets[i] : shard.offsets[i + 1]], shard.name, key)
+        for i, key in enumerate(index.key_list()):
+            start, end = index.span(i)
+            members = parse_sample(blob[start:end], shard.name, key)
             yield key, {ext: bytes(view) for ext, view in members.items()}
 
 

@@ -130,7 +130,7 @@ def main() -> None:
     from pipeline.format import Manifest
 
     manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
-    units = sum(sum(s.units or [1] * s.samples) for s in manifest.splits["train"])
+    units = manifest.splits["train"].units
     print(f"data: {manifest.samples('train')} JPEGs at 1000-2000 px, {units} questions; per='question', "
           f"image_size={args.image_size}, batch {BATCH}, num_workers={args.workers}, cores={os.cpu_count()}", flush=True)
     floors, loaders, ratios = paired_rounds(lambda method: _child(method, data, args), args.rounds)
