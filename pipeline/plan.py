@@ -442,9 +442,12 @@ class _Plan(Sequence[Item]):
         batches = self._worker + items * self._workers
         positions, sizes = self._span.positions(batches)
         source, ids = self._order(positions)
-        bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
-        chunk = [(b, source[bounds[k] : bounds[k + 1]], ids[bounds[k] : bounds[k + 1]])
-                 for k, b in enumerate(batches.tolist())]
+        if sizes.min() == sizes.max():  # (rows of a 2-d view: twice as fast as slicing each batch)
+            chunk = list(zip(batches.tolist(), source.reshape(-1, sizes[0]), ids.reshape(-1, sizes[0])))
+        else:
+            bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
+            chunk = [(b, source[bounds[k] : bounds[k + 1]], ids[bounds[k] : bounds[k + 1]])
+                     for k, b in enumerate(batches.tolist())]
         self._chunks[c] = chunk
         if len(self._chunks) > 2:
             self._chunks.popitem(last=False)
@@ -460,7 +463,9 @@ class _Plan(Sequence[Item]):
         k = i + self._length if i < 0 else i
         if not 0 <= k < self._length:
             raise IndexError(f"batch {i} of a plan of {self._length}")
-        return self._chunk(k // self._per_chunk)[k % self._per_chunk]
+        c, j = divmod(k, self._per_chunk)
+        chunk = self._chunks.get(c)
+        return (self._chunk(c) if chunk is None else chunk)[j]
 
     def __iter__(self) -> Iterator[Item]:
         for c in range(-(-self._length // self._per_chunk)):
