@@ -24,7 +24,7 @@ from pipeline.device import prefetch_to_cuda, to_device
 from pipeline.errors import ManifestError, ShardError, ShardstreamError
 from pipeline.format import Manifest, ShardIndex, ShardInfo, Split
 from pipeline.kinds import KINDS, Kind
-from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_positions
+from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_batch_count, rank_sample_count
 from pipeline.storage import Retry, ShardCache, ShardReader, join, read_manifest
 from pipeline.tario import ReadLimits, parse_sample
 
@@ -172,19 +172,21 @@ class _ShardStream(IterableDataset):
         self.state.zero_()
         self.state[: len(values)] = torch.tensor(values, dtype=torch.int64)
 
-    def rank_batches(self, history: tuple[Resume, ...]) -> list[np.ndarray]:
-        """The epoch-order positions of each batch this rank yields after `history`."""
+    def rank_samples(self, history: tuple[Resume, ...]) -> int:
+        """How many samples this rank yields after `history`."""
         c = self.config
         total = epoch_samples([s.sizes for s in self.sources], self.mix)
-        return rank_positions(total, self.world_size, self.rank, c.batch_size, c.drop_last, history)
+        return rank_sample_count(total, self.world_size, self.rank, c.batch_size, c.drop_last, history)
 
     def batches(self) -> int:
         """How many batches this rank yields in the next iteration (all of the epoch, or the rest)."""
-        return len(self.rank_batches(self.history))
+        c = self.config
+        total = epoch_samples([s.sizes for s in self.sources], self.mix)
+        return rank_batch_count(total, self.world_size, self.rank, c.batch_size, c.drop_last, self.history)
 
     def __len__(self) -> int:
         """Items the next iteration yields on this rank: batches, or samples with `flatten` (fewer if some are skipped)."""
-        return sum(map(len, self.rank_batches(self.history))) if self.flatten else self.batches()
+        return self.rank_samples(self.history) if self.flatten else self.batches()
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration plays, from the main process (HF Trainer and accelerate
@@ -214,7 +216,7 @@ class _ShardStream(IterableDataset):
         cfg = self.config
         budget = cfg.max_errors  # skips allowed in this iteration of the rank
         if isinstance(budget, float):
-            budget = int(budget * sum(len(b) for b in self.rank_batches(history)))
+            budget = int(budget * self.rank_samples(history))
         plan = plan_epoch([s.sizes for s in self.sources], cfg.seed, epoch, world, batch_size=cfg.batch_size,
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)

@@ -9,7 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.plan import Mix, PlanError, Resume, World, epoch_order, mixed_order, plan_epoch, rank_batch_sizes, rank_positions
+from pipeline.plan import (
+    Mix, PlanError, Resume, World, epoch_order, epoch_samples, mixed_order, plan_epoch, rank_batch_count, rank_batch_sizes,
+    rank_positions, rank_sample_count,
+)
 
 SIZES = {
     "fewer shards than workers": [9],
@@ -216,3 +219,212 @@ def test_mixed_plan_splits_exactly_and_resumes():
     full = plan_epoch(sources, 4, 1, World(), batch_size=2, mix=mix)
     rest = plan_epoch(sources, 4, 1, World(), batch_size=2, mix=mix, history=(Resume(1, 5),))
     assert [(s.tolist(), i.tolist()) for _, s, i in rest] == [(s.tolist(), i.tolist()) for _, s, i in full[5:]]
+
+
+# --- the lazy plan against the plan as it was computed before (whole-epoch arrays), on small sizes ---
+
+def _reference_positions(total, world_size, rank, batch_size, drop_last, history=()):
+    """Each batch's positions, the old way: the whole epoch's positions, set-differenced per stretch."""
+    def split(positions, sizes):
+        return np.split(positions[: sum(sizes)], np.cumsum(sizes)[:-1]) if sizes else []
+
+    remaining = np.arange(total, dtype=np.int64)
+    for i, stretch in enumerate(history):
+        cut = []
+        for r in range(stretch.world_size):
+            start, sizes = rank_batch_sizes(remaining.size, stretch.world_size, r, batch_size, drop_last)
+            if stretch.batches > len(sizes):
+                raise PlanError("cannot resume")
+            cut.append(split(remaining[start:], sizes))
+        if i == len(history) - 1 and stretch.world_size == world_size:
+            return cut[rank][stretch.batches :]
+        taken = [p for batches in cut for p in batches[: stretch.batches]]
+        remaining = np.setdiff1d(remaining, np.concatenate(taken)) if taken else remaining
+    start, sizes = rank_batch_sizes(remaining.size, world_size, rank, batch_size, drop_last)
+    return split(remaining[start:], sizes)
+
+
+def _reference_plan(sources, seed, epoch, world, *, batch_size, drop_last, shuffle, window, mix=None, history=()):
+    total = epoch_samples(sources, mix)
+    mine = _reference_positions(total, world.world_size, world.rank, batch_size, drop_last, history)[world.worker :: world.num_workers]
+    positions = np.concatenate(mine) if mine else np.zeros(0, np.int64)
+    if mix is None:
+        source, ids = np.zeros(positions.size, np.int64), epoch_order(sources[0], [seed, epoch], shuffle, window, positions)
+    else:
+        source, ids = mixed_order(sources, mix, seed, epoch, shuffle, window, positions)
+    bounds = np.cumsum([0] + [len(b) for b in mine])
+    return [(world.worker + i * world.num_workers, source[bounds[i] : bounds[i + 1]], ids[bounds[i] : bounds[i + 1]])
+            for i in range(len(mine))]
+
+
+def _items(plan):
+    return [(b, s.tolist(), i.tolist()) for b, s, i in plan]
+
+
+def test_single_source_order_is_pinned():
+    """Saved resume states and trained runs depend on this order: it must not change."""
+    assert epoch_order([5, 0, 7, 3, 1], [3, 1], True, 4, np.arange(16)).tolist() == [
+        0, 12, 14, 13, 1, 4, 3, 2, 8, 5, 6, 7, 15, 10, 9, 11]
+    assert epoch_order([1000] * 50, [7, 3], True, 16384, np.array([0, 1, 2, 16383, 16384, 49999])).tolist() == [
+        2479, 42653, 41964, 16889, 29783, 17769]
+    plan = plan_epoch([[40, 40, 30]], 5, 2, World(1, 3, 1, 2), batch_size=4, drop_last=False, window=8,
+                      history=(Resume(2, 3),))
+    assert [(b, i.tolist()) for b, _, i in plan] == [(1, [54, 56, 50, 65]), (3, [59, 60, 75, 1]), (5, [7, 4, 3, 8]), (7, [15])]
+
+
+_histories = st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5)), max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6), world_size=st.integers(1, 6), workers=st.integers(1, 4),
+       batch_size=st.integers(1, 5), drop_last=st.booleans(), shuffle=st.booleans(), window=st.integers(1, 20),
+       stretches=_histories, same_world=st.booleans(), data=st.data())
+def test_lazy_plan_equals_the_materialised_one(sizes, world_size, workers, batch_size, drop_last, shuffle, window,
+                                               stretches, same_world, data):
+    history = tuple(Resume(w, b) for w, b in stretches)
+    if history and same_world:
+        world_size = history[-1].world_size
+    rank = data.draw(st.integers(0, world_size - 1))
+    total = sum(sizes)
+    try:
+        expected = _reference_positions(total, world_size, rank, batch_size, drop_last, history)
+    except PlanError:
+        with pytest.raises(PlanError):
+            rank_positions(total, world_size, rank, batch_size, drop_last, history)
+        with pytest.raises(PlanError):
+            plan_epoch([sizes], 1, 2, World(rank, world_size), batch_size=batch_size, drop_last=drop_last, history=history)
+        return
+    assert [b.tolist() for b in rank_positions(total, world_size, rank, batch_size, drop_last, history)] == \
+        [b.tolist() for b in expected]
+    assert rank_batch_count(total, world_size, rank, batch_size, drop_last, history) == len(expected)
+    assert rank_sample_count(total, world_size, rank, batch_size, drop_last, history) == sum(map(len, expected))
+    for worker in range(workers):
+        world = World(rank, world_size, worker, workers)
+        kw = dict(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, window=window, history=history)
+        plan = plan_epoch([sizes], 3, 1, world, **kw)
+        reference = _items(_reference_plan([sizes], 3, 1, world, **kw))
+        assert len(plan) == len(reference)
+        assert _items(plan) == reference
+        assert all(type(b) is int and s.dtype == np.int64 and i.dtype == np.int64 for b, s, i in plan)
+        assert _items(plan[k] for k in reversed(range(len(plan)))) == reference[::-1], "random access"
+
+
+@pytest.mark.parametrize(("batch_size", "drop_last"), [(1, True), (3, False)])
+def test_lazy_plan_across_chunks_in_any_access_order(batch_size, drop_last):
+    """Enough batches for several of the plan's chunks: in order, with look-ahead, backwards, at random."""
+    sizes, history = [1000] * 45 + [517], (Resume(3, 2000 // batch_size), Resume(2, 1500 // batch_size))
+    for world in (World(0, 1, 1, 2), World(1, 2, 0, 1)):
+        kw = dict(batch_size=batch_size, drop_last=drop_last, shuffle=True, window=1000, history=history)
+        reference = _items(_reference_plan([sizes], 8, 0, world, **kw))
+        assert sum(len(ids) for *_, ids in reference) > 2 * 8192, "several chunks"
+        plan = plan_epoch([sizes], 8, 0, world, **kw)
+        assert _items(plan) == reference
+        plan = plan_epoch([sizes], 8, 0, world, **kw)
+        ahead = []
+        for i in range(len(plan)):  # as the loader asks: each batch, and one a few batches later
+            ahead.append(plan[i])
+            plan[min(i + 3, len(plan) - 1)]
+        assert _items(ahead) == reference
+        picks = np.random.default_rng(0).integers(0, len(plan), 60).tolist() + [-1, -len(plan)]
+        assert _items(plan[k] for k in picks) == [reference[k] for k in picks]
+        assert _items(plan[5:20:3]) == reference[5:20:3]
+        with pytest.raises(IndexError):
+            plan[len(plan)]
+
+
+def test_plan_laws_at_a_large_size_with_an_elastic_history():
+    """30M samples, three stretches in other worlds, then the last world: the counts add up over every
+    rank (arithmetic only), sampled ranks' positions are disjoint, and sampled workers' plans are their
+    rank's batches, dealt round-robin."""
+    total, batch_size = 30_000_000, 8
+    sizes = [1000] * (total // 1000)
+    worlds = (256, 192, 320)
+    for drop_last, final in ((True, 128), (False, 320), (False, 100)):
+        history: tuple[Resume, ...] = ()
+        seen, taken = [], 0
+        for i, world_size in enumerate(worlds):
+            k = rank_batch_count(total, world_size, 0, batch_size, drop_last, history) // (3 - i) - 7
+            after = (*history, Resume(world_size, k))
+            before_counts = [rank_sample_count(total, world_size, r, batch_size, drop_last, history) for r in range(world_size)]
+            after_counts = [rank_sample_count(total, world_size, r, batch_size, drop_last, after) for r in range(world_size)]
+            taken += sum(before_counts) - sum(after_counts)
+            for r in (0, 1, world_size // 2, world_size - 2, world_size - 1):
+                seen += rank_positions(total, world_size, r, batch_size, drop_last, history)[:k]
+            history = after
+        counts = {rank_batch_count(total, final, r, batch_size, drop_last, history) for r in range(final)}
+        assert len(counts) == 1, "equal batch counts"
+        left = sum(rank_sample_count(total, final, r, batch_size, drop_last, history) for r in range(final))
+        if drop_last:
+            assert 0 <= total - taken - left < final * batch_size, "only the last split drops"
+        else:
+            assert taken + left == total, "nothing lost"
+        for r in (0, 1, final // 2, final - 1):
+            batches = rank_positions(total, final, r, batch_size, drop_last, history)
+            seen += batches
+            if r in (1, final - 1):
+                expected = epoch_order(sizes, [3, 4], True, 16384, np.concatenate(batches))
+                yielded = []
+                for w in range(8):
+                    plan = plan_epoch([sizes], 3, 4, World(r, final, w, 8), batch_size=batch_size, drop_last=drop_last,
+                                      history=history)
+                    yielded += [(b, ids) for b, _, ids in plan]
+                yielded.sort(key=lambda item: item[0])
+                assert [b for b, _ in yielded] == list(range(len(batches)))
+                assert [len(ids) for _, ids in yielded] == [len(b) for b in batches]
+                np.testing.assert_array_equal(np.concatenate([ids for _, ids in yielded]), expected)
+        positions = np.concatenate(seen)
+        assert positions.min() >= 0 and positions.max() < total
+        assert np.unique(positions).size == positions.size, "no position twice among the sampled ranks"
+
+
+# --- mixing: a windowed, exact scheme ---
+
+def test_windowed_mix_laws_over_many_windows():
+    """Three sources over many mixing windows: exact shares, each pass of a source once, random
+    access equal to the whole order, deterministic in (seed, epoch), epochs differ."""
+    sources = [[700] * 100, [300] * 50, [997, 3]]
+    mix = Mix.of([70_000, 15_000, 1000], [0.6, 0.3, 0.1], 60_000)
+    assert mix.counts == (36_000, 18_000, 6000)
+    total = sum(mix.counts)
+    source, ids = mixed_order(sources, mix, 5, 1, True, 256, np.arange(total))
+    for s, (share, size) in enumerate(zip(mix.counts, (70_000, 15_000, 1000))):
+        taken = ids[source == s]
+        assert taken.size == share
+        for run in range(-(-share // size)):  # each pass over the source a permutation (the last one partial)
+            part = taken[run * size : (run + 1) * size].tolist()
+            assert len(set(part)) == len(part) and set(part) <= set(range(size))
+    again = mixed_order(sources, mix, 5, 1, True, 256, np.arange(total))
+    assert (again[0] == source).all() and (again[1] == ids).all()
+    picks = np.random.default_rng(1).integers(0, total, 5000)
+    some = mixed_order(sources, mix, 5, 1, True, 256, picks)
+    assert (some[0] == source[picks]).all() and (some[1] == ids[picks]).all()
+    other = mixed_order(sources, mix, 5, 2, True, 256, np.arange(total))
+    assert (other[0] != source).mean() > 0.3, "epochs differ"
+    for start in range(0, total, 6000):  # well mixed: each stretch near the shares
+        part = source[start : start + 6000]
+        for s, weight in enumerate((0.6, 0.3, 0.1)):
+            assert abs((part == s).mean() - weight) < 0.03
+
+
+def test_mixed_plan_equals_the_mixed_order_of_the_rank_positions():
+    sources = [[500] * 30, [200] * 20]
+    mix = Mix.of([15_000, 4000], [0.5, 0.5], 20_000)
+    history = (Resume(3, 100), Resume(2, 50))
+    for world, drop_last in ((World(1, 3, 1, 2), True), (World(0, 1, 0, 3), False)):
+        kw = dict(batch_size=4, drop_last=drop_last, shuffle=True, window=64, mix=mix, history=history)
+        assert _items(plan_epoch(sources, 2, 3, world, **kw)) == _items(_reference_plan(sources, 2, 3, world, **kw))
+
+
+def test_mix_of_an_epoch_past_numpys_hypergeometric_bound():
+    """Over 10**9 samples of a kind, the tree's top splits still give exact, in-range answers."""
+    sources = [[1_500_000_000], [1_200_000_000], [300_000_000]]
+    mix = Mix.of([1_500_000_000, 1_200_000_000, 300_000_000], None, None)
+    total = sum(mix.counts)
+    picks = np.concatenate([np.arange(8192), np.arange(total // 2, total // 2 + 8192), np.arange(total - 8192, total)])
+    source, ids = mixed_order(sources, mix, 0, 0, True, 64, picks)
+    again = mixed_order(sources, mix, 0, 0, True, 64, picks)
+    assert (source == again[0]).all() and (ids == again[1]).all()
+    assert set(source.tolist()) == {0, 1, 2}
+    for s, size in enumerate((1_500_000_000, 1_200_000_000, 300_000_000)):
+        mine = ids[source == s]
+        assert len(set(mine.tolist())) == mine.size and mine.min() >= 0 and mine.max() < size
