@@ -31,7 +31,7 @@ from pipeline.tario import ReadLimits, parse_sample
 __all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "make_stream_dataset", "validate_first_batch"]
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: the mixed order is windowed (a state of an earlier mixed epoch would not resume exactly)
 _MAX_STRETCHES = 16  # resumptions within one epoch
 # Settings a saved state must share with the loader that resumes it: they decide the samples' order.
 _ORDER_SETTINGS = ("seed", "batch_size", "drop_last", "shuffle", "shuffle_window")
