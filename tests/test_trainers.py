@@ -1,0 +1,310 @@
+"""Trainers for real, no mocks and no hub: TRL's GRPOTrainer on `trl_dataset` (a tiny LLaVA built
+offline) and HF Trainer on `trainer_dataset`, on 1 and 2 processes (torchrun, gloo on 127.0.0.1),
+with 0 and 2 DataLoader workers; `len()` against what a DataLoader yields; `make_stream_dataset`.
+
+Run as a script, this file is what each torchrun process runs (`_main`).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipeline import make_stream_dataset, make_stream_loader, trainer_dataset, trl_dataset
+from pipeline.format import Manifest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SEED = 3
+
+
+# -- data and model, built offline -----------------------------------------------------------------
+
+
+def _pack_vqa(root: pathlib.Path) -> str:
+    from shard_tools.pack import PackOptions
+    from shard_tools.sample_vqa import write_vqa
+    from shard_tools.vqa import VqaSource, pack_vqa
+
+    files = write_vqa(root / "src", "slake", {"train": 8}, per_image=(1, 5), seed=0)
+    source = VqaSource(str(root / "src" / "images"), tuple((name, str(file)) for name, file in files.items()))
+    pack_vqa(source, str(root / "out"), PackOptions(shard_samples=3), progress=False)
+    return str(root / "out")
+
+
+@pytest.fixture(scope="session")
+def vqa(tmp_path_factory) -> str:
+    """A SLAKE-layout split "train": 8 images, 1 to 5 questions each, 3 images per shard."""
+    return _pack_vqa(tmp_path_factory.mktemp("trainers-vqa"))
+
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+            "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% elif c['type'] == 'text' %}"
+            "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+@pytest.fixture(scope="session")
+def vlm(vqa, tmp_path_factory) -> str:
+    """A random-weight LLaVA saved as a model folder: 2-layer CLIP vision tower (16 px images, 8 px
+    patches), 2-layer Llama, a byte-level BPE tokenizer trained on the dataset's questions and answers,
+    and a chat template with an image token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor,
+                              PreTrainedTokenizerFast)
+    from transformers.models.clip import CLIPImageProcessorPil  # (the default one needs torchvision)
+
+    text = [f"user: {q}\nassistant: {a}" for q, a in _questions(vqa, texts=True)]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<pad>", "<s>", "</s>", "<image>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", extra_special_tokens={"image_token": "<image>"})
+    processor = LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 16},
+                                                                     crop_size={"height": 16, "width": 16}),
+                               tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                               chat_template=TEMPLATE, num_additional_image_tokens=1)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=16, patch_size=8, projection_dim=16),
+        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+        vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-llava")
+    LlavaForConditionalGeneration(config).save_pretrained(out)
+    processor.save_pretrained(out)
+    return str(out)
+
+
+def _questions(root: str, epoch: int = 0, texts: bool = False) -> list[Any]:
+    """The loader's plan for (SEED, epoch) on one process: (image key, qid) of every question, in order."""
+    loader = make_stream_loader(root, "train", batch_size=1, num_workers=0, seed=SEED, drop_last=False,
+                                rank=0, world_size=1, per="question", image_size=16)
+    loader.set_epoch(epoch)
+    return [(b["questions"][0], b["answers"][0]) if texts else (b["keys"][0], b["fields"][0]["qid"]) for b in loader]
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("grpo_vqa", REPO / "examples" / "grpo_vqa.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(processes: int, *args: str) -> None:
+    """This file's `_main(args)` in `processes` torchrun processes on 127.0.0.1."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(processes),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, *args]
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+# -- GRPO ------------------------------------------------------------------------------------------
+
+GRPO = {"batch_size": 4, "num_generations": 2, "image_size": 16, "seed": SEED, "max_completion_length": 4,
+        "report_to": "none", "save_strategy": "no", "use_cpu": True, "bf16": False, "logging_steps": 1000,
+        "disable_tqdm": True}
+
+
+class _Rewards:
+    """A reward function that records what each call receives (the questions, in order) and scores 0."""
+
+    def __init__(self, path: pathlib.Path | None = None) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.path = path
+        self.__name__ = "record"
+
+    def __call__(self, completions, prompts, question, answer, qid, img_name, image_path, q_lang, image,
+                 trainer_state, **kwargs) -> list[float]:
+        assert all(isinstance(i, Image.Image) and i.mode == "RGB" and max(i.size) == 16 for i in image)
+        assert img_name == image_path and set(q_lang) == {"en"}, "original fields beside ours"
+        assert all(p[-1]["content"][-1]["text"] == q for p, q in zip(prompts, question))
+        self.calls.append({"step": trainer_state.global_step, "qid": list(qid), "question": list(question),
+                           "answer": list(answer)})
+        if self.path is not None:
+            self.path.write_text(json.dumps(self.calls))
+        return [0.0] * len(completions)
+
+
+def _check_grpo(vqa: str, steps: list[list[dict[str, Any]]], processes: int) -> None:
+    """`steps`: each step's reward calls, one per process. Each epoch holds the plan's questions in
+    order, each as one group of `num_generations` (but for TRL's trailing partial round)."""
+    ng, plans = GRPO["num_generations"], [_questions(vqa, e) for e in (0, 1)]
+    truth = dict(zip([qid for _, qid in plans[0]], _questions(vqa, 0, texts=True)))
+    prompts = GRPO["batch_size"] * processes // ng
+    rounds = len(plans[0]) // prompts
+    assert len(steps) == 2 * rounds and len(set(truth)) == len(plans[0])
+    orders = []
+    for epoch in (0, 1):
+        qids = [q for step in steps[epoch * rounds : (epoch + 1) * rounds] for call in step for q in call["qid"]]
+        groups = [qids[i : i + ng] for i in range(0, len(qids), ng)]
+        assert all(len(g) == ng and len(set(g)) == 1 for g in groups), "uniform groups of num_generations"
+        orders.append([g[0] for g in groups])
+        assert orders[-1] == [qid for _, qid in plans[epoch]][: rounds * prompts], "the plan of (seed, epoch)"
+        for step in steps[epoch * rounds : (epoch + 1) * rounds]:
+            for call in step:
+                assert [truth[q] for q in call["qid"]] == list(zip(call["question"], call["answer"]))
+    assert orders[0] != orders[1]
+
+
+@pytest.mark.slow
+def test_grpo_trains_every_question_once_per_epoch_in_groups(vqa, vlm, tmp_path):
+    rewards = _Rewards()
+    example = _example()
+    trainer = example.make_trainer(vlm, vqa, str(tmp_path), epochs=2, reward_funcs=(example.exact_match, rewards),
+                                   dataloader_num_workers=2, **GRPO)
+    assert trainer.args.dataloader_num_workers == 0, "TRL reads an iterable dataset in the main process"
+    trainer.train()
+    _check_grpo(vqa, [[call] for call in rewards.calls], 1)
+
+
+@pytest.mark.slow
+def test_grpo_on_two_processes_splits_each_round(vqa, vlm, tmp_path):
+    _torchrun(2, "grpo", vlm, vqa, str(tmp_path))
+    calls = [json.loads((tmp_path / f"rewards-{rank}.json").read_text()) for rank in range(2)]
+    assert len(calls[0]) == len(calls[1])
+    _check_grpo(vqa, [list(step) for step in zip(*calls)], 2)
+
+
+def _grpo_rank(model: str, shards: str, out: str) -> None:
+    rank = int(os.environ["RANK"])
+    rewards = _Rewards(pathlib.Path(out) / f"rewards-{rank}.json")
+    example = _example()
+    example.make_trainer(model, shards, str(pathlib.Path(out) / "grpo"), epochs=2,
+                         reward_funcs=(example.exact_match, rewards), **GRPO).train()
+
+
+# -- HF Trainer ------------------------------------------------------------------------------------
+
+
+class _Ids:
+    """A data collator: each question's number, as a tensor (what the probe model records)."""
+
+    def __init__(self, ids: dict[tuple[str, int], int]) -> None:
+        self.ids = ids
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return {"ids": torch.tensor([self.ids[(s["keys"], int(s["question_index"]))] for s in samples])}
+
+
+class _Probe(torch.nn.Module):
+    """A model that records the question numbers it trains on, per epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[list[int]] = []
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.seen[-1].extend(ids.tolist())
+        return {"loss": (self.weight - 1) ** 2}
+
+
+def _numbering(root: str) -> dict[tuple[str, int], int]:
+    loader = make_stream_loader(root, "train", batch_size=1, num_workers=0, shuffle=False, drop_last=False,
+                                rank=0, world_size=1, per="question", image_size=16)
+    return {(b["keys"][0], int(b["question_index"][0])): i for i, b in enumerate(loader)}
+
+
+def _hf_train(root: str, out: str, workers: int, dispatch: bool | None, batch_size: int = 3) -> dict[str, Any]:
+    """2 epochs of HF Trainer over `trainer_dataset`: what this process trained on, per epoch."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Epochs(TrainerCallback):
+        def on_epoch_begin(self, args, state, control, model=None, **kwargs):
+            probe.seen.append([])
+
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch_size, num_train_epochs=2,
+                             dataloader_num_workers=workers, remove_unused_columns=False, use_cpu=True,
+                             report_to="none", save_strategy="no", logging_steps=1000, disable_tqdm=True,
+                             accelerator_config={} if dispatch is None else {"dispatch_batches": dispatch})
+    ds = trainer_dataset(root, "train", batch_size=batch_size, world_size=args.world_size, seed=SEED,
+                         per="question", image_size=16)
+    probe = _Probe()
+    trainer = Trainer(model=probe, args=args, train_dataset=ds, data_collator=_Ids(_numbering(root)),
+                      callbacks=[Epochs()])
+    steps = len(trainer.get_train_dataloader())
+    trainer.train()
+    return {"seen": probe.seen, "steps": steps, "samples": len(ds)}
+
+
+def _expected(root: str, epoch: int, world_size: int, batch_size: int = 3) -> list[int]:
+    ids = _numbering(root)
+    ds = trainer_dataset(root, "train", batch_size=batch_size, world_size=world_size, seed=SEED, per="question",
+                         image_size=16)
+    ds.set_epoch(epoch)
+    return [ids[(s["keys"], int(s["question_index"]))] for s in ds]
+
+
+def _check_hf(root: str, runs: list[dict[str, Any]], batch_size: int = 3) -> None:
+    """Each epoch trains on every sample the plan keeps, once, across the processes, in len() steps."""
+    world = len(runs)
+    total = len(_numbering(root))
+    for epoch in (0, 1):
+        trained = [i for run in runs for i in run["seen"][epoch]]
+        expected = _expected(root, epoch, world)
+        assert sorted(trained) == sorted(expected) and len(set(trained)) == len(trained)
+        assert len(trained) == total - total % (batch_size * world) == runs[0]["samples"]
+        for run in runs:
+            assert len(run["seen"][epoch]) == run["steps"] * batch_size
+    assert _expected(root, 0, world) != _expected(root, 1, world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_hf_trainer_one_process(vqa, tmp_path, workers):
+    _check_hf(vqa, [_hf_train(vqa, str(tmp_path), workers, None)])
+
+
+@pytest.mark.slow
+def test_hf_trainer_two_processes(vqa, tmp_path):
+    _torchrun(2, "hf", vqa, str(tmp_path))
+    results = {rank: json.loads((tmp_path / f"hf-{rank}.json").read_text()) for rank in range(2)}
+    for name in results[0]:
+        _check_hf(vqa, [results[rank][name] for rank in range(2)])
+    assert len(results[0]) == 4
+
+
+def _hf_rank(root: str, out: str) -> None:
+    rank, results = int(os.environ["RANK"]), {}
+    for workers in (0, 2):
+        for dispatch in (None, False):  # accelerate's default for an iterable dataset is to dispatch
+            results[f"{workers} workers, dispatch {dispatch}"] = _hf_train(root, f"{out}/hf", workers, dispatch)
+    (pathlib.Path(out) / f"hf-{rank}.json").write_text(json.dumps(results))
+
+
+def _main(argv: list[str]) -> int:
+    if argv[0] == "grpo":
+        _grpo_rank(*argv[1:])
+    else:
+        _hf_rank(*argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
