@@ -124,6 +124,156 @@ def _torchrun(processes: int, *args: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
+# -- trl_dataset and make_stream_dataset, as datasets and DataLoaders see them ---------------------
+
+
+def test_trl_dataset_every_question_once_in_the_plan_of_each_epoch(vqa):
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    ds = trl_dataset(vqa, "train", image_size=40, seed=SEED)
+    assert isinstance(ds, datasets.IterableDataset) and ds.num_shards == 1
+    truth = {qid: text for (_, qid), text in zip(_questions(vqa), _questions(vqa, texts=True))}
+    assert ds.info.splits["train"].num_examples == len(truth)
+    for x in ds:
+        assert x["prompt"] == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": x["question"]}]}]
+        assert isinstance(x["image"], Image.Image) and x["image"].mode == "RGB" and max(x["image"].size) == 40
+        assert (x["question"], x["answer"]) == truth[x["qid"]]
+        assert x["img_name"] == x["image_path"] and x["q_lang"] == "en", "original fields beside ours"
+    plans = {e: [qid for _, qid in _questions(vqa, e)] for e in (0, 1, 2)}
+    assert plans[0] != plans[1] != plans[2]
+
+    def order(dataset, epoch, **loader):
+        dataset.set_epoch(epoch)
+        if not loader:
+            return [x["qid"] for x in dataset]
+        return [x["qid"] for batch in torch.utils.data.DataLoader(dataset, collate_fn=list, **loader) for x in batch]
+
+    # The epoch reaches the plan from the dataset itself and from datasets derived from it.
+    mapped = ds.map(lambda batch: batch, batched=True, batch_size=3)
+    for epoch in (1, 0, 2):
+        assert order(ds, epoch) == order(mapped, epoch) == plans[epoch]
+        # One data source: one DataLoader worker reads it all, whatever the number of workers.
+        assert order(mapped, epoch, batch_size=3, num_workers=2) == plans[epoch]
+        # Ranks that do not slice global batches themselves: every world_size-th question.
+        parts = [order(split_dataset_by_node(ds, rank, 2), epoch) for rank in (0, 1)]
+        assert parts == [plans[epoch][0::2], plans[epoch][1::2]]
+
+
+def test_trl_dataset_refuses_other_kinds(sa1b_dataset):
+    with pytest.raises(ValueError, match="do not take these options"):
+        trl_dataset(sa1b_dataset, "train")
+
+
+def _broken_record(dataset: str, tmp_path: pathlib.Path, index: int, garbage: bytes):
+    """A copy of `dataset` whose first train shard's sample `index` has `garbage` at the start of its
+    msgpack record (the member after the image): (root, shard)."""
+    root = tmp_path / "broken"
+    shutil.copytree(dataset, root)
+    shard = Manifest.from_json((root / "manifest.json").read_bytes(), str(root)).splits["train"][0]
+    data = bytearray((root / shard.name).read_bytes())
+    start = shard.offsets[index]
+    size = int(data[start + 124 : start + 136].rstrip(b"\0"), 8)  # the image member's size field
+    record = start + 512 + size + (-size % 512) + 512
+    data[record : record + len(garbage)] = garbage
+    (root / shard.name).write_bytes(bytes(data))
+    return root, shard
+
+
+def test_trl_dataset_errors_and_skips(vqa, tmp_path):
+    from pipeline import SampleError
+
+    root, shard = _broken_record(vqa, tmp_path, 1, b"\xc1" * 4)
+    with pytest.raises(SampleError, match=rf"{shard.name}: sample {shard.keys[1]!r}, field 'msgpack': cannot unpack"):
+        list(trl_dataset(str(root), "train", shuffle=False))
+    lost = shard.units[1]
+    ds = trl_dataset(str(root), "train", on_error="skip", max_errors=lost, image_size=16)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        keys = [x["key"] for x in ds]
+        assert len(keys) == len(_questions(vqa)) - lost and shard.keys[1] not in keys
+
+
+def _kinds(vqa: str, sa1b: str, emb: str) -> dict[str, tuple[str, dict[str, Any], Any]]:
+    """kind -> (dataset, options, a sample's identity)."""
+    return {"vqa": (vqa, {"per": "question", "image_size": 16}, lambda s: (s["keys"], int(s["question_index"]))),
+            "sa1b": (sa1b, {"image_size": 32, "mask_size": 16, "max_masks": 4}, lambda s: s["keys"]),
+            "embeddings": (emb, {}, lambda s: int(s["row"]))}
+
+
+@pytest.fixture(scope="session")
+def emb(tmp_path_factory) -> str:
+    """An embeddings split "train" of 23 rows in blocks of 4."""
+    from shard_tools.embeddings import pack_embeddings
+
+    src = tmp_path_factory.mktemp("trainers-emb-src")
+    np.save(src / "x.npy", np.arange(23 * 3, dtype=np.float32).reshape(23, 3))
+    (src / "schema.json").write_text(json.dumps({"fields": {"x": {"file": "x.npy"}}}))
+    out = tmp_path_factory.mktemp("trainers-emb")
+    pack_embeddings(str(src), str(out), rows_per_block=4, progress=False)
+    return str(out)
+
+
+@pytest.mark.parametrize("kind", ["vqa", "sa1b", "embeddings"])
+def test_a_dataloaders_first_len_batches_hold_every_sample(kind, vqa, sa1b_dataset, emb):
+    from accelerate.data_loader import IterableDatasetShard
+
+    root, options, identity = _kinds(vqa, sa1b_dataset, emb)[kind]
+    everything = {identity(s) for s in make_stream_dataset(root, "train", batch_size=1, flatten=True, drop_last=False,
+                                                           shuffle=False, **options)}
+    for batch_size, workers, world, shard_ranks in ((3, 2, 1, False), (2, 3, 1, False), (3, 2, 2, False),
+                                                    (2, 2, 2, True), (4, 0, 2, True), (3, 0, 1, False)):
+        seen = []
+        for rank in range(world):
+            ds = trainer_dataset(root, "train", batch_size=batch_size, shard_ranks=shard_ranks, rank=rank if shard_ranks
+                                 else None, world_size=world, seed=SEED, **options)
+            ds.set_epoch(1)
+            if world > 1 and not shard_ranks:  # accelerate's own split of each global batch
+                ds = IterableDatasetShard(ds, batch_size=batch_size, num_processes=world, process_index=rank)
+            loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers, collate_fn=list)
+            batches = list(loader)
+            assert len(batches) == len(loader) and all(len(b) == batch_size for b in batches)
+            seen += [identity(s) for b in batches for s in b]
+        assert len(seen) == len(set(seen)) == len(everything) - len(everything) % (batch_size * world)
+        assert set(seen) <= everything, (kind, batch_size, workers, world)
+    one = trainer_dataset(root, "train", batch_size=3, drop_last=False, **options)
+    assert len(torch.utils.data.DataLoader(one, batch_size=3, num_workers=2)) == -(-len(everything) // 3)
+    assert {identity(s) for b in torch.utils.data.DataLoader(one, batch_size=3, num_workers=2, collate_fn=list)
+            for s in b} == everything
+    with pytest.raises(ValueError, match="drop_last=False needs a single process"):
+        trainer_dataset(root, "train", batch_size=3, drop_last=False, world_size=2, **options)
+
+
+@pytest.mark.parametrize("kind", ["vqa", "sa1b", "embeddings"])
+def test_make_stream_dataset_yields_the_documented_batches_and_samples(kind, vqa, sa1b_dataset, emb):
+    root, options, identity = _kinds(vqa, sa1b_dataset, emb)[kind]
+    loader = make_stream_loader(root, "train", batch_size=3, num_workers=0, seed=SEED, **options)
+    expected = list(loader)
+    batches = list(make_stream_dataset(root, "train", batch_size=3, seed=SEED, **options))
+    samples = make_stream_dataset(root, "train", batch_size=3, seed=SEED, flatten=True, **options)
+    rows = list(torch.utils.data.DataLoader(samples, batch_size=None, num_workers=2))
+    assert len(samples) == len(rows) == 3 * len(expected)
+    assert sorted(map(identity, rows)) == sorted(identity(s) for b in expected for s in _rows(b))
+    for got, want in zip(batches, expected):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert (torch.equal(got[name], want[name]) if isinstance(want[name], torch.Tensor)
+                    else got[name] == want[name]), name
+    row = {identity(r): r for r in rows}
+    for b in expected:
+        for i, want in enumerate(_rows(b)):
+            got = row[identity(want)]
+            assert got.keys() == b.keys()
+            if kind == "sa1b":  # a sample's own masks only: the batch's padding is cut
+                n = int(b["mask_counts"][i])
+                assert got["masks"].shape[0] == got["boxes"].shape[0] == n and torch.equal(got["masks"], b["masks"][i, :n])
+
+
+def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    b = len(next(iter(batch.values())))
+    return [{name: value[i] for name, value in batch.items()} for i in range(b)]
+
+
 # -- GRPO ------------------------------------------------------------------------------------------
 
 GRPO = {"batch_size": 4, "num_generations": 2, "image_size": 16, "seed": SEED, "max_completion_length": 4,
