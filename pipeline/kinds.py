@@ -23,8 +23,6 @@ def _members(members: dict[str, bytes], options: Any, *, url: str, key: str, uni
     return members
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """A kind's reading side. A sample may hold several units (rows of a block, questions of an
