@@ -276,7 +276,8 @@ def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
 
 # -- GRPO ------------------------------------------------------------------------------------------
 
-GRPO = {"batch_size": 4, "num_generations": 2, "image_size": 16, "seed": SEED, "max_completion_length": 4,
+# 4 questions per generation round on 1 or 2 processes: 4 steps per epoch
+GRPO = {"num_generations": 2, "image_size": 16, "seed": SEED, "max_completion_length": 2,
         "report_to": "none", "save_strategy": "no", "use_cpu": True, "bf16": False, "logging_steps": 1000,
         "disable_tqdm": True}
 
@@ -301,12 +302,11 @@ class _Rewards:
         return [0.0] * len(completions)
 
 
-def _check_grpo(vqa: str, steps: list[list[dict[str, Any]]], processes: int) -> None:
+def _check_grpo(vqa: str, steps: list[list[dict[str, Any]]], prompts: int) -> None:
     """`steps`: each step's reward calls, one per process. Each epoch holds the plan's questions in
     order, each as one group of `num_generations` (but for TRL's trailing partial round)."""
     ng, plans = GRPO["num_generations"], [_questions(vqa, e) for e in (0, 1)]
     truth = dict(zip([qid for _, qid in plans[0]], _questions(vqa, 0, texts=True)))
-    prompts = GRPO["batch_size"] * processes // ng
     rounds = len(plans[0]) // prompts
     assert len(steps) == 2 * rounds and len(set(truth)) == len(plans[0])
     orders = []
@@ -327,10 +327,10 @@ def test_grpo_trains_every_question_once_per_epoch_in_groups(vqa, vlm, tmp_path)
     rewards = _Rewards()
     example = _example()
     trainer = example.make_trainer(vlm, vqa, str(tmp_path), epochs=2, reward_funcs=(example.exact_match, rewards),
-                                   dataloader_num_workers=2, **GRPO)
+                                   batch_size=8, dataloader_num_workers=2, **GRPO)
     assert trainer.args.dataloader_num_workers == 0, "TRL reads an iterable dataset in the main process"
     trainer.train()
-    _check_grpo(vqa, [[call] for call in rewards.calls], 1)
+    _check_grpo(vqa, [[call] for call in rewards.calls], prompts=4)
 
 
 @pytest.mark.slow
@@ -338,14 +338,23 @@ def test_grpo_on_two_processes_splits_each_round(vqa, vlm, tmp_path):
     _torchrun(2, "grpo", vlm, vqa, str(tmp_path))
     calls = [json.loads((tmp_path / f"rewards-{rank}.json").read_text()) for rank in range(2)]
     assert len(calls[0]) == len(calls[1])
-    _check_grpo(vqa, [list(step) for step in zip(*calls)], 2)
+    _check_grpo(vqa, [list(step) for step in zip(*calls)], prompts=4)
+
+
+def test_the_readme_shows_the_example_the_tests_run():
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("### GRPO with TRL"):]
+    block = block[block.index("```python\n") + 10 : block.index("```\n", block.index("```python\n") + 10)]
+    script = (REPO / "examples" / "grpo_vqa.py").read_text()
+    imports, _, code = block.partition("\n\n\n")
+    assert code.strip() and code in script and all(line in script for line in imports.splitlines())
 
 
 def _grpo_rank(model: str, shards: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     rewards = _Rewards(pathlib.Path(out) / f"rewards-{rank}.json")
     example = _example()
-    example.make_trainer(model, shards, str(pathlib.Path(out) / "grpo"), epochs=2,
+    example.make_trainer(model, shards, str(pathlib.Path(out) / "grpo"), epochs=2, batch_size=4,
                          reward_funcs=(example.exact_match, rewards), **GRPO).train()
 
 
