@@ -1,13 +1,18 @@
-"""shardstream's streaming side: `make_stream_loader()` for training scripts."""
+"""shardstream's streaming side: `make_stream_loader()` for training scripts; `make_stream_dataset()`,
+`trainer_dataset()` and `trl_dataset()` for trainers with their own DataLoader."""
 
 from pipeline.errors import ManifestError, SampleError, ShardError, ShardstreamError
-from pipeline.loader import LoaderConfig, StreamLoader, make_stream_loader, validate_first_batch
+from pipeline.loader import LoaderConfig, StreamLoader, make_stream_dataset, make_stream_loader, validate_first_batch
 from pipeline.plan import World, plan_epoch
 from pipeline.tario import ReadLimits
+from pipeline.trainers import trainer_dataset, trl_dataset
 
 __all__ = [
     "make_stream_loader",
     "validate_first_batch",
+    "make_stream_dataset",
+    "trainer_dataset",
+    "trl_dataset",
     "StreamLoader",
     "LoaderConfig",
     "ReadLimits",

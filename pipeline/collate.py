@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-__all__ = ["empty", "pack_bits", "unpack_bits", "Leases", "LEASE_SLOTS"]
+__all__ = ["empty", "pack_bits", "unpack_bits", "rows", "Leases", "LEASE_SLOTS"]
 
 _BITS = (128, 64, 32, 16, 8, 4, 2, 1)
 LEASE_SLOTS = 16  # buffers a worker keeps for reuse: enough for the batches in flight and one held by the user
@@ -188,3 +188,11 @@ def unpack_bits(packed: torch.Tensor, width: int) -> torch.Tensor:
         return torch.from_numpy(np.unpackbits(packed.numpy(), axis=-1, count=width).view(np.bool_))
     bits = torch.tensor(_BITS, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(-1) & bits) != 0).flatten(-2)[..., :width]
+
+
+def rows(batch: dict[str, Any] | list[dict[str, Any]], options: Any = None) -> list[dict[str, Any]]:
+    """A finished batch's samples: row i of every field, under the batch's keys (a list is its samples)."""
+    if isinstance(batch, list):
+        return batch
+    b = len(next(iter(batch.values())))
+    return [{name: value[i] for name, value in batch.items()} for i in range(b)]

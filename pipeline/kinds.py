@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline import embeddings, sa1b, vqa
+from pipeline.collate import rows
 from pipeline.format import Manifest
 
 __all__ = ["Kind", "KINDS"]
@@ -36,6 +37,7 @@ class Kind:
     units: Callable[[Any], bool] = _one_each  # (options) -> whether the plan orders a sample's units (else: samples)
     open: Callable[..., Any] = _members  # (members, options, *, url, key, units the manifest says) -> what `decode` takes
     grouped: bool = False
+    unbatch: Callable[..., list[dict[str, Any]]] = rows  # (finished batch, options) -> its samples, padding trimmed
 
 
 def _sa1b_options(manifests: Sequence[Manifest], limits: Any, **options: Any) -> sa1b.Sa1bOptions:
@@ -47,8 +49,8 @@ def _sa1b_verify(manifest: Manifest) -> sa1b.Sa1bOptions:
 
 
 def _vqa_options(manifests: Sequence[Manifest], limits: Any, *, per: str = "question",
-                 image_size: int | None = 448) -> vqa.VqaOptions:
-    return vqa.VqaOptions(per=per, image_size=image_size, max_image_pixels=limits.max_image_pixels)
+                 image_size: int | None = 448, form: str = "batch") -> vqa.VqaOptions:
+    return vqa.VqaOptions(per=per, image_size=image_size, max_image_pixels=limits.max_image_pixels, form=form)
 
 
 def _vqa_verify(manifest: Manifest) -> vqa.VqaOptions:
@@ -60,9 +62,10 @@ def _embeddings_options(manifests: Sequence[Manifest], limits: Any, **options: A
 
 
 KINDS: dict[str, Kind] = {
-    "sa1b": Kind(_sa1b_options, sa1b.decode_sample, sa1b.collate, sa1b.finish, sa1b.check_batch, _sa1b_verify),
+    "sa1b": Kind(_sa1b_options, sa1b.decode_sample, sa1b.collate, sa1b.finish, sa1b.check_batch, _sa1b_verify,
+                 unbatch=sa1b.unbatch),
     "vqa": Kind(_vqa_options, vqa.decode_sample, vqa.collate, vqa.finish, vqa.check_batch, _vqa_verify, vqa.units,
-                vqa.open_sample),
+                vqa.open_sample, unbatch=vqa.unbatch),
     "embeddings": Kind(_embeddings_options, embeddings.decode, embeddings.collate, embeddings.finish,
                        embeddings.check_batch, embeddings.verify_options, embeddings.units, embeddings.open_block,
                        grouped=True),

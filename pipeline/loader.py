@@ -146,7 +146,9 @@ class _ShardStream(IterableDataset):
         # Samples skipped per worker: over all epochs (row 0) and in the current iteration (row 1).
         self.skipped = torch.zeros(2, max(1, config.num_workers), dtype=torch.int64).share_memory_()
         self.errors_as_values = True  # False when another DataLoader than ours iterates it (make_stream_dataset)
-        self.flatten = False  # True: yield the samples of each collated batch (a kind's per-sample form)
+        self.finished = False  # True: yield batches as users get them (`Kind.finish`), not in transit
+        self.flatten = False  # True (with `finished`): yield each batch's samples (`Kind.unbatch`)
+        self.split_workers = True  # False: whoever iterates reads the rank's whole share, in any DataLoader worker
         self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
         self._reader_pid: int | None = None
         self._reader_list: list[ShardReader] = []
@@ -197,7 +199,7 @@ class _ShardStream(IterableDataset):
             self.set_state(epoch, ())
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        info = get_worker_info()
+        info = get_worker_info() if self.split_workers else None
         world = World(self.rank, self.world_size, info.id if info else 0, info.num_workers if info else 1)
         if world.num_workers > self.skipped.shape[1]:
             raise ValueError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
@@ -205,7 +207,9 @@ class _ShardStream(IterableDataset):
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
         try:
             for batch in self._batches(world, self.epoch, self.history):
-                yield from batch if self.flatten else (batch,)
+                if self.finished:
+                    batch = self.kind.finish(batch, self.options)
+                yield from self.kind.unbatch(batch, self.options) if self.flatten else (batch,)
         except ShardstreamError as exc:
             if info is None or not self.errors_as_values:
                 raise
@@ -611,14 +615,20 @@ def make_stream_loader(
 
 
 def make_stream_dataset(source: str | Sequence[str], split: str, *, batch_size: int, max_workers: int = 16,
-                        flatten: bool = False, **kwargs: Any) -> IterableDataset:
-    """The loader's dataset itself, for trainers that wrap a dataset in their own DataLoader (HF
-    Trainer, TRL): a torch IterableDataset yielding the kind's collated batches of `batch_size`
-    (with `flatten`, the samples of each, for a kind whose collate gives a list), split exactly over
-    the ranks and over the workers (at most `max_workers`) of the DataLoader that iterates it. It
-    has `set_epoch(epoch)` and `len()`; errors raise in the worker (the DataLoader re-raises them as
-    RuntimeError with the message). Other arguments as `make_stream_loader`'s, but for the
-    DataLoader's own.
+                        flatten: bool = False, split_workers: bool = True, **kwargs: Any) -> IterableDataset:
+    """The loader's dataset itself, for loops that wrap a dataset in their own DataLoader: a torch
+    IterableDataset of the kind's batches of `batch_size`, as `make_stream_loader` yields them (keys,
+    dtypes, shapes: see the kind), or with `flatten`, of their samples: row i of each batch, same keys.
+
+    It is split exactly over the ranks and over the workers (at most `max_workers`) of the DataLoader
+    that iterates it; each worker takes whole batches of `batch_size` in turn. `split_workers=False`:
+    whoever iterates it reads the rank's whole share, in any worker (for a wrapper that splits the
+    work itself). It has `set_epoch(epoch)`, `skipped` and `len()`: the batches, or with `flatten` the
+    samples, that an iteration yields on this rank (fewer samples when some are skipped). A DataLoader
+    that batches the samples again counts `ceil(len / its batch size)` batches, which is what it yields
+    only when `batch_size` is a multiple of its batch size: `pipeline.trainer_dataset` sees to that.
+    Errors raise in the worker (the DataLoader re-raises them as RuntimeError with the message).
+    Other arguments as `make_stream_loader`'s, but for the DataLoader's own.
     """
     if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
         raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
@@ -628,7 +638,8 @@ def make_stream_dataset(source: str | Sequence[str], split: str, *, batch_size: 
         raise ValueError(f"make_stream_dataset does not take {theirs}: the DataLoader that iterates it decides those")
     stream = make_stream_loader(source, split, batch_size=batch_size, num_workers=0, **kwargs)._stream
     stream.skipped = torch.zeros(2, max_workers, dtype=torch.int64).share_memory_()
-    stream.errors_as_values, stream.flatten = False, flatten
+    stream.errors_as_values, stream.finished = False, True
+    stream.flatten, stream.split_workers = flatten, split_workers
     return stream
 
 

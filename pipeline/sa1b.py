@@ -24,7 +24,8 @@ from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import RLEError, fit, raster
 
 __all__ = [
-    "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "check_batch", "BATCH_FIELDS",
+    "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "unbatch", "check_batch",
+    "BATCH_FIELDS",
     "MAX_IMAGE_PIXELS",
 ]
 
@@ -197,6 +198,14 @@ def finish(batch: dict[str, Any], options: Sa1bOptions) -> dict[str, Any]:
         **_split(batch["info"], _IMAGE_COLUMNS),
         "keys": batch["keys"],
     }
+
+
+def unbatch(batch: dict[str, Any], options: Sa1bOptions) -> list[dict[str, Any]]:
+    """A finished batch's samples (row i of each field, same keys), each with its own `mask_counts`
+    masks only: the padding to the batch's largest count is cut."""
+    per_mask = ("masks", *(name for name, _ in _MASK_COLUMNS))
+    return [{name: value[i, : int(batch["mask_counts"][i])] if name in per_mask else value[i]
+             for name, value in batch.items()} for i in range(len(batch["keys"]))]
 
 
 def check_batch(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list[str]:

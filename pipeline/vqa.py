@@ -9,7 +9,8 @@ palettes expanded, alpha dropped, 16-bit samples scaled to 8 bits.
 Batches (`make_stream_loader`): `images` uint8 (B, 3, H, W), zero-padded to (image_size,
 image_size) or, with `image_size=None`, to the batch's largest height and width; `image_sizes` and
 `original_sizes` int64 (B, 2) as (h, w); strings and original records as lists (see `BATCH_FIELDS`).
-`trl_dataset` gives per-question dicts in the conversational form TRL's GRPOTrainer consumes.
+The TRL form (`form="trl"`, set by `pipeline.trl_dataset`) gives per-question dicts in the
+conversational form TRL's GRPOTrainer consumes.
 """
 
 from __future__ import annotations
@@ -22,20 +23,18 @@ import msgpack.exceptions
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import IterableDataset
 
-from pipeline.collate import empty
+from pipeline.collate import empty, rows
 from pipeline.errors import SampleError
 from pipeline.format import (
     VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, unpack_record,
 )
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import fit
-from pipeline.tario import ReadLimits
 
 __all__ = [
     "VqaOptions", "VqaSample", "BATCH_FIELDS", "TRL_RESERVED", "units", "open_sample", "decode_sample", "collate",
-    "finish", "check_batch", "trl_dataset",
+    "finish", "unbatch", "check_batch",
 ]
 
 PER = ("question", "image")
@@ -57,7 +56,7 @@ class VqaOptions:
     per: str = "question"
     image_size: int | None = 448
     max_image_pixels: int = MAX_IMAGE_PIXELS  # larger images are refused, never decoded
-    form: str = "batch"  # "trl": one dict per sample (set by `trl_dataset`)
+    form: str = "batch"  # "trl": one dict per sample (set by `pipeline.trl_dataset`)
 
     def __post_init__(self) -> None:
         if self.per not in PER:
@@ -199,8 +198,11 @@ def collate(samples: Sequence[dict[str, Any]], options: VqaOptions) -> dict[str,
     }
 
 
-def finish(batch: dict[str, Any], options: VqaOptions) -> dict[str, Any]:
-    """The batch users get, on whatever device it was moved to: the stacked column split into its fields."""
+def finish(batch: dict[str, Any] | list[dict[str, Any]], options: VqaOptions) -> dict[str, Any] | list[dict[str, Any]]:
+    """The batch users get, on whatever device it was moved to: the stacked column split into its fields
+    (the TRL form's list of samples as it is)."""
+    if options.form == "trl":
+        return batch
     info = batch["info"]
     return {
         "images": batch["images"],
@@ -209,6 +211,19 @@ def finish(batch: dict[str, Any], options: VqaOptions) -> dict[str, Any]:
         _COUNT[options.per]: info[:, 4].contiguous(),
         **{name: batch[name] for name in LIST_FIELDS},
     }
+
+
+def unbatch(batch: dict[str, Any] | list[dict[str, Any]], options: VqaOptions) -> list[dict[str, Any]]:
+    """A finished batch's samples: row i of each field, same keys; with `image_size=None` each image
+    cut to its own size (the batch pads to its largest). The TRL form is its list."""
+    if options.form == "trl":
+        return batch
+    samples = rows(batch, options)
+    if options.image_size is None:
+        for sample in samples:
+            h, w = sample["image_sizes"].tolist()
+            sample["images"] = sample["images"][:, :h, :w]
+    return samples
 
 
 def check_batch(batch: dict[str, Any], options: VqaOptions, epoch: int) -> list[str]:
@@ -261,48 +276,3 @@ def check_batch(batch: dict[str, Any], options: VqaOptions, epoch: int) -> list[
     if not all(isinstance(q, str) and q and isinstance(a, str) and a for q, a in texts):
         problems.append("questions/answers: empty or not strings")
     return problems
-
-
-def trl_dataset(
-    source: str | Sequence[str],
-    split: str,
-    *,
-    seed: int = 0,
-    image_size: int | None = 448,
-    shuffle: bool = True,
-    drop_last: bool = False,
-    rank: int | None = 0,
-    world_size: int | None = 1,
-    on_error: str = "raise",
-    max_errors: int | float | None = None,
-    shuffle_window: int = 16384,
-    storage_options: dict[str, Any] | None = None,
-    limits: ReadLimits | None = None,
-    max_workers: int = 16,
-    chunk: int = 16,
-) -> IterableDataset:
-    """A torch IterableDataset of per-question dicts in the conversational form of TRL's GRPOTrainer:
-    `{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
-    "image": PIL RGB image, "question", "answer", "key", "image_path", ...every original field}`.
-
-    Pass it as `train_dataset` as it is. It splits itself over the DataLoader workers of whoever
-    iterates it (up to `max_workers`) exactly once, shuffles by (seed, epoch) and has `set_epoch`
-    (HF Trainer calls it) and `len()`. Ranks: by default every process yields the whole split in
-    the same order, as HF Trainer/accelerate expect of an iterable dataset (they hand each process
-    its slice of every global batch). A loop that does not shard passes `rank`/`world_size` (or
-    None for torch.distributed's) to read only this rank's exact share, with `drop_last=True` for
-    equal counts on every rank.
-
-    The plan deals out `chunk` questions at a time (a worker reads a chunk, the next worker the
-    next); with `on_error="skip"` a bad sample is left out of its chunk.
-    """
-    from pipeline.loader import make_stream_dataset  # the loader imports the kinds, this module among them
-
-    stream = make_stream_dataset(source, split, batch_size=chunk, flatten=True, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                 on_error=on_error, max_errors=max_errors, shuffle_window=shuffle_window, rank=rank,
-                                 world_size=world_size, storage_options=storage_options, limits=limits,
-                                 max_workers=max_workers, per="question", image_size=image_size)
-    if not isinstance(stream.options, VqaOptions):
-        raise ValueError(f"{source}: a {stream.kind_name} dataset, not vqa")
-    stream.options = dataclasses.replace(stream.options, form="trl")
-    return stream

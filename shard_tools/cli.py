@@ -46,9 +46,11 @@ def _split_file(text: str) -> tuple[str, str]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shard-pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines")
+    quiet = argparse.ArgumentParser(add_help=False)  # -q after the subcommand too (SUPPRESS: not unset if before)
+    quiet.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bar or lines")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("sa1b", help="pack SA-1B (.tar archives and/or folders of sa_<id>.jpg + sa_<id>.json)")
+    p = sub.add_parser("sa1b", parents=[quiet], help="pack SA-1B (.tar archives and/or folders of sa_<id>.jpg + sa_<id>.json)")
     p.add_argument("sources", nargs="+", metavar="SRC", help="SA-1B .tar archives or folders")
     p.add_argument("out", metavar="OUT", help="output folder (new or empty, or an interrupted pack of the same input)")
     p.add_argument("--shard-samples", type=int, default=1000, help="at most this many samples per shard (1000)")
@@ -61,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster: tcp://scheduler:8786, "
                    "or local:N for a local cluster of N workers (needs the dask extra)")
 
-    p = sub.add_parser("vqa", help="pack a VQA collection: question/answer files per split + an image folder")
+    p = sub.add_parser("vqa", parents=[quiet], help="pack a VQA collection: question/answer files per split + an image folder")
     p.add_argument("out", metavar="OUT", help="output folder (new or empty, or an interrupted pack of the same input)")
     p.add_argument("--images", required=True, metavar="ROOT", help="folder (or URL) the records' image paths are in")
     p.add_argument("--split", dest="splits", action="append", required=True, type=_split_file, metavar="NAME=FILE",
@@ -82,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-skipped", type=int, default=10, help="fail when more records or images are bad (10)")
     p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
 
-    p = sub.add_parser("embeddings", help="pack a folder of row-aligned arrays (.npy/.safetensors) described by a schema",
+    p = sub.add_parser("embeddings", parents=[quiet], help="pack a folder of row-aligned arrays (.npy/.safetensors) described by a schema",
                        description="Check every array against the schema (lengths, NaN/Inf, declared ranges, "
                        "references, splits), then pack blocks of rows; nothing is written if a check fails. Schema: "
                        '{"fields": {"name": {"file": "name.npy", "tensor": "(in .safetensors)", "range": [low, high], '
@@ -96,11 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
     p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
 
-    for name, text in (("inspect", "print a dataset's manifest summary"),
-                       ("verify", "check every shard's checksum and index, and decode every sample"),
-                       ("upgrade", "write the shard indexes and manifest of the current schema for an older dataset, "
-                        "in place (no shard is rewritten; safe to run again)")):
-        sub.add_parser(name, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
+    for name, text, parents in (("inspect", "print a dataset's manifest summary", []),
+                                ("verify", "check every shard's checksum and index, and decode every sample", [quiet]),
+                                ("upgrade", "write the shard indexes and manifest of the current schema for an older "
+                                 "dataset, in place (no shard is rewritten; safe to run again)", [quiet])):
+        sub.add_parser(name, parents=parents, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
     return parser
 
 

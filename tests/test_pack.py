@@ -205,3 +205,13 @@ def test_image_max_side_keeps_masks_consistent(sa1b_src, tmp_path):
         image = Image.open(io.BytesIO(archive.extractfile(member).read()))
     assert max(image.size) == 64
     assert main(["verify", str(out)]) == 0
+
+
+@pytest.mark.parametrize("at", ["before", "after"])
+def test_quiet_before_or_after_the_subcommand(sa1b_src, tmp_path, capsys, at):
+    out = tmp_path / "out"
+    args = ["sa1b", str(sa1b_src), str(out), "--workers", "1"]
+    assert main(["-q", *args] if at == "before" else [*args, "-q"]) == 0
+    assert main(["verify", "-q", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "it/s" not in err and "samples/s" not in err and "images/s" not in err

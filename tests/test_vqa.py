@@ -1,5 +1,5 @@
 """The vqa kind: packing each layout, grouping, detection, leakage and bad input; reading per
-question and per image, exactly once in every world; the TRL-form dataset through a real DataLoader."""
+question and per image, exactly once in every world (the TRL form: tests/test_trainers.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from PIL import Image
 from pipeline import SampleError, make_stream_loader, validate_first_batch
 from pipeline.format import Manifest, pack_record
 from pipeline.rle import fit
-from pipeline.vqa import VqaOptions, check_batch, open_sample, trl_dataset
+from pipeline.vqa import VqaOptions, check_batch, open_sample
 from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, TooManySkipped
 from shard_tools.sample_vqa import write_images, write_vqa
@@ -492,68 +492,6 @@ def test_records_are_checked_strictly_when_read(packed):
         make_stream_loader(packed["vqa-rad"], "train", batch_size=2, num_workers=0, mask_size=3)
 
 
-def test_trl_dataset_through_a_real_dataloader(collections_, packed):
-    root = packed["slake"]
-    _, files = collections_["slake"]
-    expected = _expected("slake", json.loads(files["train"].read_text()))
-    everything = _units(root)
-    for world_size in (1, 2):
-        seen = []
-        for rank in range(world_size):
-            ds = trl_dataset(root, "train", image_size=40, seed=3, rank=rank, world_size=world_size)
-            ds.set_epoch(1)
-            loader = torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=lambda x: x)
-            items = [x for batch in loader for x in batch]
-            assert len(items) == len(ds)
-            for x in items:
-                assert x["prompt"] == [{"role": "user", "content": [{"type": "image"},
-                                                                   {"type": "text", "text": x["question"]}]}]
-                assert isinstance(x["image"], Image.Image) and x["image"].mode == "RGB" and max(x["image"].size) == 40
-                asked = [(q, a) for q, a, _ in expected[x["image_path"]]]
-                assert (x["question"], x["answer"]) in asked
-                assert x["img_name"] == x["image_path"] and x["q_lang"] == "en", "original fields beside"
-                seen.append((x["key"], x["question"], x["qid"]))
-        assert len(seen) == len(set(seen)) == len(everything), world_size
-    # Every process yields the same stream by default (accelerate then hands out the slices), in an
-    # order set by (seed, epoch) and the number of workers.
-    def order(epoch, workers):
-        ds = trl_dataset(root, "train", image_size=16, seed=3)
-        ds.set_epoch(epoch)
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
-        return [(x["key"], x["qid"]) for x in loader]
-
-    first = order(0, 2)
-    assert first == order(0, 2) != order(1, 2) and sorted(order(1, 2)) == sorted(first) == sorted(order(0, 0))
-
-
-def test_trl_dataset_refuses_other_kinds(sa1b_dataset):
-    with pytest.raises(ValueError, match="do not take these options"):
-        trl_dataset(sa1b_dataset, "train")
-
-
-def _broken_record(dataset: str, tmp_path: pathlib.Path, index: int, garbage: bytes):
-    """A copy of `dataset` whose first train shard's sample `index` has `garbage` at the start of its
-    msgpack record (the member after the image): (root, shard)."""
-    root = tmp_path / "broken"
-    shutil.copytree(dataset, root)
-    shard, shard_index = indexed(str(root))[0]
-    data = bytearray((root / shard.name).read_bytes())
-    start = shard_index.span(index)[0]
-    size = int(data[start + 124 : start + 136].rstrip(b"\0"), 8)  # the image member's size field
-    record = start + 512 + size + (-size % 512) + 512
-    data[record : record + len(garbage)] = garbage
-    (root / shard.name).write_bytes(bytes(data))
-    return root, shard, shard_index
-
-
-def test_trl_dataset_errors_reach_the_trainer(packed, tmp_path):
-    root, shard, index = _broken_record(packed["llava"], tmp_path, 1, b"\xc1" * 4)
-    loader = torch.utils.data.DataLoader(trl_dataset(str(root), "train", shuffle=False), batch_size=2, num_workers=2,
-                                         collate_fn=lambda x: x)
-    with pytest.raises(RuntimeError, match=rf"{shard.name}: sample {index.key(1)!r}, field 'msgpack': cannot unpack"):
-        list(loader)
-
-
 def test_stock_webdataset_reads_the_shards(packed):
     import webdataset
 
@@ -567,18 +505,6 @@ def test_stock_webdataset_reads_the_shards(packed):
             ext = {"JPEG": "jpg", "PNG": "png"}[record["image"]["format"]]
             assert {k for k in sample if not k.startswith("__")} == {ext, "msgpack"}
             assert Image.open(io.BytesIO(sample[ext])).size == (record["image"]["width"], record["image"]["height"])
-
-
-def test_trl_dataset_skips_within_each_epochs_budget(packed, tmp_path):
-    root, shard, index = _broken_record(packed["llava"], tmp_path, 0, b"\xc1")  # the first sample's record
-    lost = int(index.units[0])
-    ds = trl_dataset(str(root), "train", on_error="skip", max_errors=lost, image_size=16)
-    for epoch in range(3):
-        ds.set_epoch(epoch)
-        loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=lambda x: x)
-        keys = [x["key"] for batch in loader for x in batch]
-        assert len(keys) == len(_units(root)) - lost and index.key(0) not in keys
-    assert int(ds.skipped[0].sum()) == 3 * lost
 
 
 def test_json_lines_with_a_bad_line(collections_, tmp_path):
