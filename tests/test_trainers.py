@@ -24,7 +24,6 @@ import torch
 from PIL import Image
 
 from pipeline import make_stream_dataset, make_stream_loader, trainer_dataset, trl_dataset
-from pipeline.format import Manifest
 from conftest import indexed
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
