@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-s3 bench-vqa bench-embeddings fuzz clean
+.PHONY: demo test bench bench-s3 bench-vqa bench-embeddings bench-index fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ bench-vqa: $(STAMP)
 
 bench-embeddings: $(STAMP)
 	$(BIN)/python bench/embeddings_loader.py
+
+# Opening a dataset and one worker's plan at 1M, 11M, 100M (and the plan at 1B) synthetic samples (~2 minutes).
+bench-index: $(STAMP)
+	$(BIN)/python bench/index_scale.py
 
 # The fuzz tests with 20,000 mutated shards each, instead of the suite's 100 (several minutes).
 fuzz: $(STAMP)

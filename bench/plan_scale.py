@@ -46,6 +46,13 @@ def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def _peak_mb() -> float:
+    """This process's peak resident memory (VmHWM: its own address space's, where ru_maxrss would
+    also carry the peak of the process that started it)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def _reset_peak() -> bool:
     """Start the peak (VmHWM, which ru_maxrss reports) afresh from now, where Linux allows it."""
     try:
@@ -76,7 +83,7 @@ def measure(total: int, shards: int, history: bool, mix: bool, world_size: int =
     import numpy as np  # noqa: F401  (imported before the baseline, as in a worker)
 
     fresh_peak = _reset_peak()
-    before, peak_before = _rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before, peak_before = _rss_mb(), _peak_mb()
     start, cpu = time.perf_counter(), time.process_time()
     plan = plan_epoch(sources, 7, 3, world, batch_size=BATCH, mix=weights, history=stretches)
     batches, samples = len(plan), 0
@@ -85,7 +92,7 @@ def measure(total: int, shards: int, history: bool, mix: bool, world_size: int =
         if i + READ_AHEAD < batches:
             plan[i + READ_AHEAD]
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _peak_mb()
     return {"samples": total, "shards": shards, "history": history, "mix": mix, "world": f"{world_size} x {workers}",
             "seconds": seconds, "cpu": cpu, "mb": peak - (before if fresh_peak else max(before, peak_before)),
             "batches": batches, "yielded": samples}
