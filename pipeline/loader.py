@@ -397,6 +397,7 @@ class StreamLoader:
         self._fingerprint = manifests[0].fingerprint if len(manifests) == 1 else hashlib.sha256(
             json.dumps([[m.fingerprint for m in manifests], mix]).encode()).hexdigest()
         self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
+        self._generation = 0  # of the current iteration: an iterator of an earlier one is no longer valid
 
     @property
     def epoch(self) -> int:
@@ -406,10 +407,11 @@ class StreamLoader:
         """Select the epoch the next `iter()` plays (its shuffle and mask sampling). Call before iterating.
 
         After `load_state_dict`, setting the saved epoch keeps the resumption point; any other epoch
-        starts from its beginning."""
-        if not isinstance(epoch, int) or epoch < 0:
+        starts from its beginning (and an iterator still open is no longer valid)."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         if epoch != self.epoch:
+            self._generation += 1
             self._stream.set_state(epoch, ())
             self._taken = ()
 
@@ -422,9 +424,34 @@ class StreamLoader:
         return self._stream.batches()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The epoch's batches (or the rest of them, after `load_state_dict`). A new iterator, like
+        `load_state_dict` and `set_epoch` to another epoch, ends the validity of any earlier one
+        still open: using that again raises, so it never counts batches in `state_dict()`."""
+        self._generation += 1
+        return self._iterate(self._generation)
+
+    def _check_current(self, generation: int) -> None:
+        if generation != self._generation:
+            raise RuntimeError("this iterator of the loader is no longer valid: load_state_dict(), set_epoch() or a "
+                               "newer iter() came after it began; iterate the loader again")
+
+    def _pulled(self, generation: int) -> Iterator[Any]:
+        """The DataLoader's batches, each taken only while `generation` is current (persistent workers
+        serve whichever iteration asks: a stale one must not take a batch of the next)."""
+        self._check_current(generation)
+        batches = iter(self._loader)
+        while True:
+            self._check_current(generation)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
+
+    def _iterate(self, generation: int) -> Iterator[dict[str, Any]]:
         stream = self._stream
         history, world_size = stream.history, stream.world_size
-        batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._loader)
+        batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._pulled(generation))
         if self.device is not None and self.device.type == "cuda":
             batches = prefetch_to_cuda(batches, self.device)
         elif self.device is not None:
@@ -434,10 +461,12 @@ class StreamLoader:
         past = history[:-1] if done else history
         self._taken = (*past, Resume(world_size, done))
         for batch in batches:
+            self._check_current(generation)  # (the device stage takes a batch ahead)
             done += 1  # counted as handed over: a checkpoint taken while the batch is in use includes it
             self._taken = (*past, Resume(world_size, done))
             yield stream.kind.finish(batch, stream.options)
-        stream.set_state(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
+        if generation == self._generation:
+            stream.set_state(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
 
     def _identity(self) -> dict[str, Any]:
         """What a saved state must share with the loader that resumes it."""
@@ -464,7 +493,7 @@ class StreamLoader:
 
         In the same world the remaining batches equal those of an uninterrupted run; with another
         world size, the samples no rank had taken are split over the new world. A state of another
-        dataset, split or ordering settings is refused."""
+        dataset, split or ordering settings is refused. An iterator still open is no longer valid."""
         for name, value in self._identity().items():
             if state.get(name) != value:
                 raise ValueError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
@@ -475,6 +504,7 @@ class StreamLoader:
             raise ValueError(f"cannot resume: malformed state ({exc})") from exc
         self._stream.set_state(epoch, history)
         self._taken = ()
+        self._generation += 1  # an iterator still open would play the old position
         self._stream.batches()  # refuse now a history this dataset cannot have
 
 

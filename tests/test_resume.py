@@ -121,3 +121,33 @@ def test_mismatched_state_is_refused(sa1b_dataset, sa1b_src, tmp_path):
         _loader(sa1b_dataset).load_state_dict({**state, "history": [["x"]]})
     with pytest.raises(Exception, match="cannot resume after batch"):
         _loader(sa1b_dataset).load_state_dict({**state, "history": [[1, 999]]})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_left_open_never_counts_in_the_state(sa1b_dataset, workers):
+    full = _run(_loader(sa1b_dataset), 1)
+    saved = _loader(sa1b_dataset)
+    _run(saved, 1, stop=1)
+    state = saved.state_dict()  # epoch 1, one batch taken
+    loader = _loader(sa1b_dataset, num_workers=workers)
+    loader.set_epoch(0)
+    old = iter(loader)
+    next(old), next(old)
+    loader.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="no longer valid: load_state_dict"):
+        for _ in old:  # (before: it went on with epoch 0, and the state counted its batches as epoch 1's)
+            pass
+    assert loader.state_dict() == state
+    _assert_same(_run(loader, 1), full[1:])
+
+    loader.set_epoch(2)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        next(first)
+    next(second)
+    loader.set_epoch(3)
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        next(second)
+    assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["history"] == []
