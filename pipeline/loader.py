@@ -527,6 +527,33 @@ def _resolve_device(device: str | torch.device | None, pin_memory: bool | None) 
     return resolved, cuda if pin_memory is None else pin_memory
 
 
+def _world(rank: int | None, world_size: int | None) -> World:
+    """This process's place among the ranks: `rank` and `world_size` as given, or both from
+    torch.distributed when it is initialised (else a single process).
+
+    Given ones that disagree with an initialised torch.distributed are refused, but for
+    `world_size=1` (every process reads the whole split) and a `world_size` dividing the process
+    group's (data-parallel replicas under model parallelism, `rank` the replica's index)."""
+    if (rank is None) != (world_size is None):
+        raise ValueError(f"rank and world_size go together, got rank={rank!r} and world_size={world_size!r}: pass "
+                         "both, or neither to take them from torch.distributed")
+    initialised = dist.is_available() and dist.is_initialized()
+    if rank is None or world_size is None:
+        return World(dist.get_rank(), dist.get_world_size()) if initialised else World()
+    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    world = World(rank, world_size)
+    if initialised and world_size != 1:
+        group_rank, group_size = dist.get_rank(), dist.get_world_size()
+        if group_size % world_size or (world_size == group_size and rank != group_rank):
+            raise ValueError(
+                f"rank={rank}, world_size={world_size} disagree with torch.distributed (rank {group_rank} of "
+                f"{group_size}): pass neither to use its, world_size=1 for every process to read the whole split, or "
+                f"for data-parallel replicas a world_size dividing {group_size} with rank the replica's index")
+    return world
+
+
 def make_stream_loader(
     source: str | Sequence[str],
     split: str,
@@ -563,8 +590,9 @@ def make_stream_loader(
 
     Every sample of the split is yielded exactly once per epoch across all ranks and workers
     (but for the `drop_last` remainder), every rank yields `len(loader)` batches, and the order is
-    a function of (seed, epoch) only. `rank`/`world_size` default to torch.distributed's when it
-    is initialised. `persistent_workers=None` keeps workers alive across epochs when there are any.
+    a function of (seed, epoch) only. `rank` and `world_size` go together; without them, they are
+    torch.distributed's when it is initialised (given ones that disagree with it are refused, but
+    for `world_size=1` and data-parallel replicas: see `_world`). `persistent_workers=None` keeps workers alive across epochs when there are any.
     `limits` caps what an (untrusted) shard can make the reader do; with `on_error="skip"`,
     `max_errors` (a count, or a fraction of the rank's samples) bounds the skips per epoch.
 
@@ -585,9 +613,9 @@ def make_stream_loader(
     config = LoaderConfig(batch_size, num_workers, shuffle, seed, drop_last, shuffle_window, on_error, max_errors, limits,
                           unit_cache_bytes, retry or Retry(), cache_dir, cache_limit, read_ahead)
     resolved, pin = _resolve_device(device, pin_memory)
-    if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    world = World(rank or 0, world_size or 1)
+    if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool) or prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor must be an int >= 1 (batches each worker prepares ahead), got {prefetch_factor!r}")
+    world = _world(rank, world_size)
     roots = [source] if isinstance(source, str) else list(source)
     manifests = [read_manifest(root, storage_options, config.retry) for root in roots]
     for root, manifest in zip(roots, manifests):

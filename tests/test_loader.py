@@ -111,7 +111,7 @@ def _sources(sa1b_src: pathlib.Path) -> dict[str, tuple[bytes, dict]]:
     return {k: (v["jpg"], json.loads(v["json"])) for k, v in found.items()}
 
 
-@pytest.mark.parametrize("mask_size", [32, None])
+@pytest.mark.parametrize("mask_size", [32, None, 128])  # 128: masks finer than the 80-pixel images, allowed
 def test_batches_match_reference_decoders(sa1b_src, sa1b_dataset, mask_size):
     options = Sa1bOptions(image_size=80, mask_size=mask_size, max_masks=6)
     loader = make_stream_loader(sa1b_dataset, "train", batch_size=3, num_workers=2, seed=11, drop_last=False,
@@ -250,6 +250,27 @@ def test_device_and_argument_errors(sa1b_dataset):
         make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, mask_size=0)
     with pytest.raises(ValueError, match="epoch"):
         make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0).set_epoch(-1)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # (none from a half-made DataLoader)
+def test_misused_arguments_are_refused_by_name(sa1b_dataset):
+    def make(**kwargs):
+        return make_stream_loader(sa1b_dataset, "val", **{"batch_size": 2, "num_workers": 0, **SMALL, **kwargs})
+
+    for given in (dict(world_size=2), dict(rank=1), dict(rank=None, world_size=1)):
+        with pytest.raises(ValueError, match="rank and world_size go together"):
+            make(**given)
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        make(rank=0, world_size=0)
+    with pytest.raises(ValueError, match="rank 2 not in"):
+        make(rank=2, world_size=2)
+    for factor in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"prefetch_factor must be an int >= 1.*got {factor!r}"):
+            make(num_workers=2, prefetch_factor=factor)
+    loader = make()
+    for epoch in (True, False, -1, 1.0):
+        with pytest.raises(ValueError, match="epoch must be an int >= 0"):
+            loader.set_epoch(epoch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
