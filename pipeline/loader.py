@@ -218,14 +218,34 @@ class _ShardStream(IterableDataset):
             raise ValueError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
                              f"({self.skipped.shape[1]}); pass max_workers")
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
+        batches = self._batches(world, self.epoch, self.history)
         try:
-            for batch in self._batches(world, self.epoch, self.history):
+            while True:
+                self._check_leases(batches)
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
                 yield from batch if self.flatten else (batch,)
         except ShardstreamError as exc:
             if info is None or not self.errors_as_values:
                 raise
             exc.add_note(f"in DataLoader worker {info.id}:\n{traceback.format_exc()}")
             yield _WorkerError(exc)
+        finally:
+            batches.close()
+
+    def _check_leases(self, batches: Iterator[Any]) -> None:
+        """Before a batch touches mapped shards: one that another process is rewriting in place is
+        named, after dropping every sample read from it (see `ShardReader.check_leases`)."""
+        if self._reader_pid != os.getpid():
+            return
+        problems = [p for reader in self._reader_list for p in reader.check_leases()]
+        if problems:
+            batches.close()  # (its samples read ahead)
+            self._opened = _Opened(self.config.unit_cache_bytes)
+            more = f" (and {len(problems) - 1} more shards)" if len(problems) > 1 else ""
+            raise ShardError(problems[0][0], problems[0][1] + more)
 
     def _batches(self, world: World, epoch: int, history: tuple[Resume, ...]) -> Iterator[dict[str, Any]]:
         cfg = self.config

@@ -27,9 +27,11 @@ import mmap
 import os
 import posixpath
 import random
+import signal
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -324,12 +326,52 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
+@dataclasses.dataclass
+class _Lease:
+    """A local shard mapped under a read lease: our descriptor (to ask about the lease), and the file
+    as it was when mapped. `dead` once the mapping is gone (its descriptor is closed at the next check)."""
+
+    url: str
+    path: str
+    fd: int
+    ino: int
+    size: int
+    dead: bool = False
+
+
+def _mapping_gone(lease: _Lease) -> None:
+    lease.dead = True  # (a finalizer: closing the descriptor here could race with a check reusing its number)
+
+
+def _read_file(path: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a local file, copied (fewer at its end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts = []
+        while start < end:
+            part = os.pread(fd, min(end - start, 1 << 30), start)
+            if not part:
+                break
+            parts.append(part)
+            start += len(part)
+    finally:
+        os.close(fd)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 class ShardReader:
     """Reads samples of one dataset's shards by byte range, with retries, from storage or the cache.
 
     With a cache, a shard not cached yet is downloaded whole in a background thread while its
     samples keep streaming by byte range: the first batch never waits for whole shards.
-    Build it in the process that reads (a DataLoader worker)."""
+    Build it in the process that reads (a DataLoader worker).
+
+    Local shards (in place or cached) are memory-mapped, each under a read lease (Linux `F_SETLEASE`):
+    a process that opens a mapped shard for writing or truncates it must wait until the mapping is
+    gone (at most /proc/sys/fs/lease-break-time, 45 s by default), and `check_leases`, called before
+    each batch, names that shard. So a shard cut in place never faults a reader (SIGBUS, which
+    would kill the process). Where no lease can be had (not the file's owner and no CAP_LEASE, a
+    filesystem without leases, a file open for writing), shards are read by copy instead."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None, retry: Retry,
                  cache: ShardCache | None = None) -> None:
@@ -342,6 +384,8 @@ class ShardReader:
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._maps: collections.OrderedDict[tuple[str, int, int], memoryview] = collections.OrderedDict()
+        self._leases: dict[int, _Lease] = {}  # by descriptor: mapped shards, while any view of them lives
+        self._copied = False  # a local shard was read by copy (no lease): said once in the log
 
     def size(self, name: str, key: str) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages)."""
@@ -361,27 +405,37 @@ class ShardReader:
             local = self.cache.lookup(url, sha256)
             if local is not None:
                 with contextlib.suppress(FileNotFoundError):  # (evicted meanwhile: stream)
-                    view = self._mapped(local)
-                    if len(view) >= end:
-                        return view[start:end]
+                    data = self._local(local, url, start, end)
+                    if len(data) == end - start:
+                        return data
             self._download(name, url, path, size, sha256)
         elif is_local(self.fs):
             try:
-                view = self._mapped(path)
+                data = self._local(path, url, start, end)
             except FileNotFoundError as exc:
                 raise ShardError(url, f"sample {key!r}: shard is missing") from exc
             except (OSError, ValueError) as exc:
-                raise ShardError(url, f"sample {key!r}: cannot map the shard: {_describe(exc)}") from exc
-            if len(view) < end:
-                raise ShardError(url, f"sample {key!r}: shard is {len(view)} bytes, shorter than the sample's range "
+                raise ShardError(url, f"sample {key!r}: cannot read the shard: {_describe(exc)}") from exc
+            if len(data) < end - start:
+                actual: int | str = "now fewer"
+                with contextlib.suppress(OSError):
+                    actual = os.stat(path).st_size
+                raise ShardError(url, f"sample {key!r}: shard is {actual} bytes, shorter than the sample's range "
                                  f"({start}-{end})")
-            return view[start:end]
+            return data
         return read_range(self.fs, path, url, start, end, key, self.retry)
 
-    def _mapped(self, path: str) -> memoryview:
-        """The file at `path` mapped read-only, kept for later reads (the newest 64 files; a file
-        replaced since is mapped anew). Shards are replaced by rename, never rewritten in place: a
-        file cut short under a mapping would fault its reader."""
+    def _local(self, path: str, url: str, start: int, end: int) -> bytes | memoryview:
+        """Bytes [start, end) of a local file (fewer at its end): a view of its mapping, or a copy
+        where it cannot be mapped under a lease."""
+        view = self._mapped(path, url)
+        if view is not None:
+            return view[start:end]
+        return _read_file(path, start, end)
+
+    def _mapped(self, path: str, url: str) -> memoryview | None:
+        """The file at `path` mapped read-only under a read lease, kept for later reads (the newest 64
+        files; a file replaced since, by rename, is mapped anew); None where no lease can be had."""
         stat = os.stat(path)
         where = (path, stat.st_ino, stat.st_size)
         with self._lock:
@@ -389,13 +443,66 @@ class ShardReader:
             if view is not None:
                 self._maps.move_to_end(where)
                 return view
-        with open(path, "rb") as f:
-            view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if stat.st_size else memoryview(b"")
+        if not stat.st_size:
+            return memoryview(b"")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            # A lease break signals the holder (SIGIO by default, which would end the process); SIGURG
+            # is ignored unless handled. `check_leases` asks about the lease instead.
+            fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except (OSError, AttributeError) as exc:  # (AttributeError: not Linux)
+            os.close(fd)
+            level = logging.DEBUG if self._copied else logging.WARNING
+            self._copied = True
+            log.log(level, "%s: no read lease on local shard %s (%s): local shards are read by copy instead of "
+                    "memory-mapped (slower for embeddings)", self.root, path, _describe(exc))
+            return None
+        try:
+            stat = os.fstat(fd)  # (the file leased: what `path` named when stat'ed above, or its replacement)
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        lease = _Lease(url, path, fd, stat.st_ino, stat.st_size)
+        weakref.finalize(mapping, _mapping_gone, lease)
+        view = memoryview(mapping)
         with self._lock:
-            self._maps[where] = view
+            self._leases[fd] = lease
+            self._maps[(path, stat.st_ino, stat.st_size)] = view
             while len(self._maps) > 64:
                 self._maps.popitem(last=False)  # (unmapped once the samples read from it are dropped)
         return view
+
+    def check_leases(self) -> list[tuple[str, str]]:
+        """(url, what changed) of each mapped shard that another process has opened for writing or is
+        truncating (it waits for our mapping to go), or whose lease ran out; empty if none.
+
+        Call it before each batch, in the thread that uses the mapped samples. A shard named here is
+        forgotten: drop every sample read from it, then its mapping goes and the writer goes on."""
+        problems = []
+        with self._lock:
+            for fd, lease in list(self._leases.items()):
+                if lease.dead:  # (mapping gone: closing the last descriptor lets go of the lease)
+                    del self._leases[fd]
+                    os.close(fd)
+                    continue
+                try:
+                    held = fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK
+                except OSError:
+                    held = False
+                if held:
+                    continue
+                now = os.fstat(fd).st_size
+                change = f"it was {lease.size} bytes when mapped, {now} now" if now != lease.size else \
+                    "another process opened it for writing or is truncating it"
+                problems.append((lease.url, f"shard rewritten in place while the loader reads it ({change}); replace "
+                                 "shards by rename (as shard-pack does), never in place"))
+                for where in [w for w in self._maps if w[:3] == (lease.path, lease.ino, lease.size)]:
+                    del self._maps[where]
+                del self._leases[fd]
+                os.close(fd)  # (the mapping keeps the lease until it goes)
+        return problems
 
     def start_downloads(self) -> None:
         """Let background downloads begin (after the first batch: they would slow it down)."""

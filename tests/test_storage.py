@@ -8,6 +8,10 @@ import hashlib
 import multiprocessing
 import os
 import pathlib
+import re
+import shutil
+import subprocess
+import sys
 import uuid
 import weakref
 
@@ -25,6 +29,7 @@ from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
+REPO = str(pathlib.Path(__file__).resolve().parent.parent)
 FAST = Retry(attempts=4, initial_delay=0.01, max_delay=0.05)
 os.environ.update({k: v for k, v in AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
 
@@ -264,3 +269,53 @@ def test_bad_credentials_and_missing_bucket_are_clear_errors(remote, server):
     with pytest.raises(ManifestError, match="bucket does not exist"):
         make_stream_loader("s3://no-such-bucket/sa1b", "train", batch_size=2, num_workers=0,
                            storage_options=storage_options(server.endpoint), **SMALL)
+
+
+# A training process that stops after its first batch until told to go on (the test cuts the shards
+# meanwhile); with "hold", it first opens every shard for writing, so that no read lease can be had.
+_CUT_CHILD = r"""
+import pathlib, sys
+from pipeline import make_stream_loader
+root, workers, hold = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "hold"
+held = [open(p, "r+b") for p in sorted(pathlib.Path(root).glob("*.tar"))] if hold else []
+loader = make_stream_loader(root, "train", batch_size=1, num_workers=workers, shuffle=False, image_size=32,
+                            mask_size=8, max_masks=2)
+for i, batch in enumerate(loader):
+    if i == 0:
+        print("first batch", flush=True)
+        sys.stdin.readline()
+print("epoch done", flush=True)
+"""
+
+
+def _cut_in_place(path: pathlib.Path) -> None:
+    """Truncate a shard in place, as a tool rewriting it would; where a reader maps it, only start to:
+    the open fails at once but the reader's lease break has begun (a blocking truncate would wait)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except BlockingIOError:
+        return
+    try:
+        os.ftruncate(fd, os.fstat(fd).st_size // 3)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(("workers", "hold"), [(0, ""), (2, ""), (2, "hold")])
+def test_a_shard_cut_in_place_mid_epoch_ends_in_a_named_error_never_a_signal(sa1b_dataset, tmp_path, workers, hold):
+    root = tmp_path / "ds"
+    shutil.copytree(sa1b_dataset, root)
+    child = subprocess.Popen([sys.executable, "-c", _CUT_CHILD, str(root), str(workers), hold or "-"], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": REPO}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "first batch\n"
+        for shard in sorted(root.glob("train-*.tar")):
+            _cut_in_place(shard)
+        out, err = child.communicate("go\n", timeout=300)
+    finally:
+        child.kill()
+    assert child.returncode == 1, f"ended by signal {-child.returncode}" if child.returncode < 0 else err[-3000:]
+    assert re.search(r"ShardError: \S+/train-\d{6}\.tar: ", err), err[-3000:]
+    assert "epoch done" not in out
+    assert ("read by copy instead of memory-mapped" in err) == bool(hold)
