@@ -26,7 +26,7 @@ from pipeline.errors import ManifestError, ShardError, ShardstreamError
 from pipeline.format import Manifest
 from pipeline.kinds import KINDS, Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_positions
-from pipeline.storage import Retry, ShardCache, ShardReader, join, read_manifest
+from pipeline.storage import Retry, ShardCache, ShardReader, filesystem, is_local, join, read_manifest
 from pipeline.tario import ReadLimits, parse_sample
 
 __all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "make_stream_dataset", "validate_first_batch"]
@@ -57,6 +57,7 @@ class LoaderConfig:
     cache_limit: int | None = None
     read_ahead: int = 1  # batches whose samples are read while the current one decodes
     read_threads: int = 8  # per worker
+    verify: str = "size"  # or "sha256": each local shard's content checked once per loader (see make_stream_loader)
 
     def __post_init__(self) -> None:
         for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1),
@@ -64,6 +65,8 @@ class LoaderConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.verify not in ("size", "sha256"):
+            raise ValueError(f"verify must be 'size' or 'sha256', got {self.verify!r}")
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
         budget = self.max_errors
@@ -162,6 +165,10 @@ class _ShardStream(IterableDataset):
         self.state = torch.zeros(2 + 2 * _MAX_STRETCHES, dtype=torch.int64).share_memory_()
         # Samples skipped per worker: over all epochs (row 0) and in the current iteration (row 1).
         self.skipped = torch.zeros(2, max(1, config.num_workers), dtype=torch.int64).share_memory_()
+        # With verify="sha256": per shard of each source, the (inode, size, mtime) whose content matched
+        # the manifest's SHA-256, shared so that a shard is hashed by one worker only.
+        self.verified = torch.zeros(sum(len(s.names) for s in sources), 3, dtype=torch.int64).share_memory_() \
+            if config.verify == "sha256" else None
         self.errors_as_values = True  # False when another DataLoader than ours iterates it (make_stream_dataset)
         self.flatten = False  # True: yield the samples of each collated batch (a kind's per-sample form)
         self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
@@ -335,7 +342,13 @@ class _ShardStream(IterableDataset):
         if self._reader_pid != os.getpid():
             cfg = self.config
             cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None else None
-            self._reader_list = [ShardReader(s.root, self.storage_options, cfg.retry, cache) for s in self.sources]
+            tables = [None] * len(self.sources)
+            if self.verified is not None:
+                ends = np.cumsum([len(s.names) for s in self.sources]).tolist()
+                table = self.verified.numpy()
+                tables = [(table[end - len(s.names) : end], s.names) for s, end in zip(self.sources, ends)]
+            self._reader_list = [ShardReader(s.root, self.storage_options, cfg.retry, cache, verified)
+                                 for s, verified in zip(self.sources, tables)]
             self._opened = _Opened(cfg.unit_cache_bytes)
             self._reader_pid = os.getpid()
         return self._reader_list
@@ -602,6 +615,7 @@ def make_stream_loader(
     cache_limit: int | None = None,
     retry: Retry | None = None,
     read_ahead: int = 1,
+    verify: str = "size",
     **options: Any,
 ) -> StreamLoader:
     """A loader over `split` of the dataset at `source` (a folder written by `shard-pack`), or
@@ -612,8 +626,8 @@ def make_stream_loader(
     (but for the `drop_last` remainder), every rank yields `len(loader)` batches, and the order is
     a function of (seed, epoch) only. `rank` and `world_size` go together; without them, they are
     torch.distributed's when it is initialised (given ones that disagree with it are refused, but
-    for `world_size=1` and data-parallel replicas: see `_world`). `persistent_workers=None` keeps workers alive across epochs when there are any.
-    `limits` caps what an (untrusted) shard can make the reader do; with `on_error="skip"`,
+    for `world_size=1` and data-parallel replicas: see `_world`). `persistent_workers=None` keeps
+    workers alive across epochs when there are any. `limits` caps what an (untrusted) shard can make the reader do; with `on_error="skip"`,
     `max_errors` (a count, or a fraction of the rank's samples) bounds the skips per epoch.
 
     `**options` are the kind's (the manifest says which kind): for SA-1B `image_size=1024`,
@@ -628,15 +642,31 @@ def make_stream_loader(
     `secret`, `anon`). Samples are read by byte range, `read_ahead` batches ahead of decoding;
     transient failures are retried as `retry` says. With `cache_dir` and `cache_limit` (bytes),
     remote shards are kept whole on local disk, least recently used evicted (`storage.ShardCache`).
+
+    Checks of shard content: `verify="size"` (the default) compares each shard's size with the
+    manifest's, one stat (or HEAD) per shard per iteration beside its first read: a shard cut or
+    replaced by one of another size is named. `verify="sha256"` also hashes each local shard the
+    first time the loader reads it (by whichever worker comes first; the others wait for that
+    check), again only if its inode, size or mtime change: a shard replaced by one of the same
+    size, or a wrong manifest, is named before any of its samples is used. It costs reading each
+    shard whole once per loader, workers fresh each epoch or not (~1 s per GiB on a core of this
+    VM, from the page cache), on the path of the first batches that use it. Shards on object
+    storage are refused with it: cached ones are always checked when downloaded, and
+    `shard-pack verify` checks a whole dataset.
     """
     limits = limits or ReadLimits()
     config = LoaderConfig(batch_size, num_workers, shuffle, seed, drop_last, shuffle_window, on_error, max_errors, limits,
-                          unit_cache_bytes, retry or Retry(), cache_dir, cache_limit, read_ahead)
+                          unit_cache_bytes, retry or Retry(), cache_dir, cache_limit, read_ahead, verify=verify)
     resolved, pin = _resolve_device(device, pin_memory)
     if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool) or prefetch_factor < 1:
         raise ValueError(f"prefetch_factor must be an int >= 1 (batches each worker prepares ahead), got {prefetch_factor!r}")
     world = _world(rank, world_size)
     roots = [source] if isinstance(source, str) else list(source)
+    if verify == "sha256":
+        remote = [root for root in roots if not is_local(filesystem(root, storage_options)[0])]
+        if remote:
+            raise ValueError(f"verify='sha256' checks shards on local disk; {remote[0]} is on object storage (cached "
+                             "shards are always checked when downloaded; `shard-pack verify` checks a whole dataset)")
     manifests = [read_manifest(root, storage_options, config.retry) for root in roots]
     for root, manifest in zip(roots, manifests):
         if split not in manifest.splits:

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import fsspec
@@ -374,7 +374,9 @@ class ShardReader:
     filesystem without leases, a file open for writing), shards are read by copy instead."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None, retry: Retry,
-                 cache: ShardCache | None = None) -> None:
+                 cache: ShardCache | None = None, verified: tuple[Any, Sequence[str]] | None = None) -> None:
+        """`verified`: to check local shards' SHA-256, a table of one row per shard (an int64 array
+        of shape (shards, 3), shared between the processes reading) and the shards' names."""
         self.root, self.retry = root, retry
         self.fs, self.base = filesystem(root, storage_options)
         self.cache = None if is_local(self.fs) else cache  # local shards are read in place
@@ -386,6 +388,8 @@ class ShardReader:
         self._maps: collections.OrderedDict[tuple[str, int, int], memoryview] = collections.OrderedDict()
         self._leases: dict[int, _Lease] = {}  # by descriptor: mapped shards, while any view of them lives
         self._copied = False  # a local shard was read by copy (no lease): said once in the log
+        self._verified = verified
+        self._index: dict[str, int] | None = None  # shard name -> row of `verified`
 
     def size(self, name: str, key: str) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages)."""
@@ -411,6 +415,8 @@ class ShardReader:
             self._download(name, url, path, size, sha256)
         elif is_local(self.fs):
             try:
+                if self._verified is not None:
+                    self._verify(name, path, url, sha256)
                 data = self._local(path, url, start, end)
             except FileNotFoundError as exc:
                 raise ShardError(url, f"sample {key!r}: shard is missing") from exc
@@ -424,6 +430,39 @@ class ShardReader:
                                  f"({start}-{end})")
             return data
         return read_range(self.fs, path, url, start, end, key, self.retry)
+
+    def _verify(self, name: str, path: str, url: str, sha256: str) -> None:
+        """Check a local shard's SHA-256 against the manifest's, unless the shared table says the file
+        as it is now (inode, size, mtime) was checked: by one process at a time (a lock on the shard,
+        so that the others wait for its answer instead of hashing it again)."""
+        table, names = self._verified  # type: ignore[misc]
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(names)}
+        row = table[self._index[name]]
+
+        def checked() -> bool:
+            stat = os.stat(path)
+            return row.tolist() == [stat.st_ino, stat.st_size, stat.st_mtime_ns]
+
+        if checked():
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(OSError):  # (no lock where the filesystem has none: hash it here too)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if checked():
+                return
+            stat = os.fstat(fd)
+            digest = hashlib.sha256()
+            while block := os.read(fd, 1 << 22):
+                digest.update(block)
+            if digest.hexdigest() != sha256:
+                raise ShardError(url, f"content has SHA-256 {digest.hexdigest()}, the manifest says {sha256}: the "
+                                 "shard was changed since it was packed, or the manifest was edited (verify='sha256')")
+            row[:] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            log.debug("%s: SHA-256 checked", url)
+        finally:
+            os.close(fd)  # (and the lock)
 
     def _local(self, path: str, url: str, start: int, end: int) -> bytes | memoryview:
         """Bytes [start, end) of a local file (fewer at its end): a view of its mapping, or a copy

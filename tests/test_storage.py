@@ -319,3 +319,32 @@ def test_a_shard_cut_in_place_mid_epoch_ends_in_a_named_error_never_a_signal(sa1
     assert re.search(r"ShardError: \S+/train-\d{6}\.tar: ", err), err[-3000:]
     assert "epoch done" not in out
     assert ("read by copy instead of memory-mapped" in err) == bool(hold)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_verify_sha256_names_a_shard_changed_at_the_same_size(sa1b_dataset, tmp_path, workers):
+    root = tmp_path / "ds"
+    shutil.copytree(sa1b_dataset, root)
+    options = dict(batch_size=2, num_workers=workers, seed=5, **SMALL)
+    clean = list(make_stream_loader(str(root), "train", **options))
+    _same(list(make_stream_loader(str(root), "train", verify="sha256", **options)), clean)
+    shard = Manifest.from_json((root / "manifest.json").read_bytes(), "m").splits["train"][1]
+    data = bytearray((root / shard.name).read_bytes())
+    jpeg = shard.offsets[1] + 512  # (after the member's tar header)
+    assert data[jpeg : jpeg + 4] == b"\xff\xd8\xff\xe0" and data[jpeg + 6 : jpeg + 10] == b"JFIF"
+    data[jpeg + 15] ^= 0x01  # the JPEG's pixel density: it still decodes; the same size, the same keys
+    (root / "replacement").write_bytes(bytes(data))
+    os.replace(root / "replacement", root / shard.name)
+    assert len(list(make_stream_loader(str(root), "train", **options))) == len(clean), "the size check cannot see it"
+    with pytest.raises(ShardError, match=rf"{shard.name}: content has SHA-256 [0-9a-f]{{64}}, the manifest says "
+                                         rf"{shard.sha256}"):
+        list(make_stream_loader(str(root), "train", verify="sha256", **options))
+    with pytest.raises(ValueError, match="verify must be 'size' or 'sha256'"):
+        make_stream_loader(str(root), "train", verify="md5", **options)
+
+
+def test_verify_sha256_refuses_object_storage(remote, server):
+    with pytest.raises(ValueError, match=r"verify='sha256' checks shards on local disk; s3://"):
+        make_stream_loader(remote, "train", batch_size=2, num_workers=0, storage_options=storage_options(server.endpoint),
+                           verify="sha256", **SMALL)
+
