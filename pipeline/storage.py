@@ -17,6 +17,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import functools
 import glob
@@ -226,13 +227,49 @@ def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, retry: Re
 
 @contextlib.contextmanager
 def _locked(path: str) -> Iterator[None]:
-    """An exclusive lock between processes (and threads) of this node, held while in the block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """An exclusive lock between processes (and threads) of this node, held while in the block. Its
+    holder removes the lock file before letting go; a waiter that got the lock of a removed file
+    tries again on whatever file is there now."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         os.close(fd)  # releases the lock
+
+
+class _CacheFull(Exception):
+    """No room in the cache for one more shard: downloads in progress hold the rest."""
+
+
+def _reserve(path: str, size: int) -> int:
+    """A new file at `path` taking `size` bytes of disk (a sparse file where the filesystem cannot
+    allocate ahead), locked while open; its descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # (marks the download live: see ShardCache._room)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
 
 
 class ShardCache:
@@ -243,8 +280,17 @@ class ShardCache:
     per shard), under a temporary name, checked against its SHA-256 and renamed into place: a
     partial download is never read. A check is recorded beside the file (`.ok`: inode, size,
     mtime); a file changed since its check is checked again and, if corrupt, fetched again. Every
-    use stamps a file's access time; making room removes the least recently used files. Safe for
-    several workers and processes of one node sharing the directory."""
+    use stamps a file's access time. Safe for several workers and processes of one node sharing
+    the directory.
+
+    Space is reserved before a download: under the cache's lock, the least recently used shards
+    are removed until the finished shards, the downloads in progress (each made at its full size
+    when it starts) and the new one fit in `limit`; with no room left beside other downloads, the
+    shard is not cached this time (its samples are read by range). So the shards and downloads in
+    the directory never exceed `limit`. Beyond it: the `.ok` stamps (~60 bytes a shard), and a
+    removed shard that a reader still has open keeps its disk blocks until that reader lets go.
+    A download of a killed process is removed by the next one that needs room; lock files are
+    removed by their holders."""
 
     def __init__(self, directory: str, limit: int) -> None:
         if not isinstance(limit, int) or limit < 1:
@@ -279,19 +325,23 @@ class ShardCache:
             if (found := self.lookup(url, sha256)) is not None:  # another process fetched it meanwhile
                 return found
             for debris in glob.glob(glob.escape(path) + ".partial-*"):  # of a killed download (we hold the lock)
-                os.unlink(debris)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(debris)
             partial = f"{path}.partial-{uuid.uuid4().hex}"
+            fd = self._room(partial, size, url)
             try:
-                with open(partial, "wb") as f:
+                with os.fdopen(os.dup(fd), "r+b") as f:
                     fetch(f)
+                    if f.tell() != size:
+                        raise ShardError(url, f"download gave {f.tell()} bytes, the manifest says {size}")
                 digest = sha256_file(partial)
                 if digest != sha256:
                     raise ShardError(url, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
-                self._make_room(size)
-                os.replace(partial, path)
+                os.replace(partial, path)  # (the reserved bytes become the shard's)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(partial)
+                os.close(fd)
         log.debug("cached %s as %s", url, path)
         return self.lookup(url, sha256) or path
 
@@ -300,21 +350,45 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)  # a reader holding it open keeps reading it
 
-    def _make_room(self, size: int) -> None:
-        with _locked(os.path.join(self.directory, ".evict.lock")):
-            entries = []
+    def _room(self, partial: str, size: int, url: str) -> int:
+        """Reserve `size` bytes for a download to `partial` (see the class): its descriptor, locked
+        until closed. Raises _CacheFull if the downloads in progress leave no room."""
+        with _locked(os.path.join(self.directory, ".cache.lock")):
+            entries, downloading = [], 0
             for name in os.listdir(self.directory):
-                if name.endswith(".tar"):
-                    with contextlib.suppress(FileNotFoundError):
-                        stat = os.stat(os.path.join(self.directory, name))
+                where = os.path.join(self.directory, name)
+                with contextlib.suppress(FileNotFoundError):
+                    if name.endswith(".tar"):
+                        stat = os.stat(where)
                         entries.append((stat.st_atime_ns, name, stat.st_size))
-            held = sum(e[2] for e in entries)
+                    elif ".tar.partial-" in name:
+                        downloading += self._live_download(where)
+            held = downloading + sum(e[2] for e in entries)
             for _, name, bytes_ in sorted(entries):
                 if held + size <= self.limit:
                     break
                 self._remove(os.path.join(self.directory, name))
                 held -= bytes_
                 log.debug("evicted %s (%d bytes) from the cache", name, bytes_)
+            if held + size > self.limit:
+                raise _CacheFull(f"{url}: not cached this time: downloads in progress hold {downloading} of the "
+                                 f"cache's {self.limit} bytes")
+            return _reserve(partial, size)
+
+    @staticmethod
+    def _live_download(path: str) -> int:
+        """The bytes a download in progress holds; a killed process's (its lock is free) is removed."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return os.fstat(fd).st_size
+            os.unlink(path)
+            log.debug("removed %s, the download of a process that ended", path)
+            return 0
+        finally:
+            os.close(fd)
 
 
 def sha256_file(path: str) -> str:
@@ -562,7 +636,9 @@ class ShardReader:
             if running is not None and not running.done():
                 return
             if running is not None and running.exception() is not None:
-                log.warning("%s: caching failed (%s); trying again", url, running.exception())
+                failed = running.exception()
+                log.log(logging.INFO if isinstance(failed, _CacheFull) else logging.WARNING,
+                        "%s: caching failed (%s); trying again", url, failed)
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardstream-cache")
 
@@ -578,5 +654,7 @@ class ShardReader:
         with self._lock:
             downloads, self._downloads = list(self._downloads.items()), {}
         for name, future in downloads:
-            if future.exception() is not None:
-                log.warning("%s: caching failed: %s", join(self.root, name), future.exception())
+            exc = future.exception()
+            if exc is not None:
+                log.log(logging.INFO if isinstance(exc, _CacheFull) else logging.WARNING, "%s: caching failed: %s",
+                        join(self.root, name), exc)

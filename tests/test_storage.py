@@ -3,6 +3,7 @@ streaming from s3://, range reads, the shard cache, and every fault mode of the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import multiprocessing
@@ -12,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import uuid
 import weakref
 
@@ -348,3 +350,57 @@ def test_verify_sha256_refuses_object_storage(remote, server):
         make_stream_loader(remote, "train", batch_size=2, num_workers=0, storage_options=storage_options(server.endpoint),
                            verify="sha256", **SMALL)
 
+
+def _cached_epochs(source: str, endpoint: str, cache: str, limit: int, seed: int, out) -> None:
+    loader = make_stream_loader(source, "train", batch_size=1, num_workers=2, seed=seed, cache_dir=cache,
+                                cache_limit=limit, storage_options=storage_options(endpoint), **SMALL)
+    keys = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        keys.append(sorted(k for b in loader for k in b["keys"]))
+    out.put(keys)
+
+
+def _watch(directory: pathlib.Path, stop: threading.Event, peaks: dict[str, int]) -> None:
+    """The largest bytes seen in `directory`: of shards and downloads, and of every file (by inode: a
+    download renamed into place while the listing is read shows under both names)."""
+    while not stop.is_set():
+        shards, every = {}, {}
+        for entry in os.scandir(directory):
+            with contextlib.suppress(FileNotFoundError):
+                stat = entry.stat()
+                every[stat.st_ino] = stat.st_size
+                if entry.name.endswith(".tar") or ".tar.partial-" in entry.name:
+                    shards[stat.st_ino] = stat.st_size
+        peaks["shards"] = max(peaks["shards"], sum(shards.values()))
+        peaks["all"] = max(peaks["all"], sum(every.values()))
+
+
+def test_two_processes_sharing_a_cache_stay_within_its_limit(sa1b_src, server, tmp_path):
+    bucket = _bucket(server)
+    pack(Sa1bSource(), [str(sa1b_src)], f"{tmp_path}/one", PackOptions(shard_samples=1), progress=False)
+    s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True).put(
+        f"{tmp_path}/one/", f"{bucket}/one/", recursive=True)
+    shards = Manifest.from_json((tmp_path / "one" / "manifest.json").read_bytes(), "m").splits["train"]
+    limit = 3 * max(s.bytes for s in shards)  # room for 3 of the 14 shards; 2 processes x 2 workers download
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    peaks, stop = {"shards": 0, "all": 0}, threading.Event()
+    watcher = threading.Thread(target=_watch, args=(cache, stop, peaks), daemon=True)
+    watcher.start()
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    children = [context.Process(target=_cached_epochs, args=(f"s3://{bucket}/one", server.endpoint, str(cache), limit,
+                                                             seed, out)) for seed in (1, 2)]
+    for child in children:
+        child.start()
+    results = [out.get(timeout=300) for _ in children]
+    for child in children:
+        child.join(timeout=60)
+    stop.set()
+    watcher.join()
+    every = sorted(k for s in shards for k in s.keys)
+    assert all(epoch == every for keys in results for epoch in keys), "every sample, cached or by range"
+    assert peaks["shards"] <= limit, f"shards and downloads peaked at {peaks['shards']} bytes, over the {limit} limit"
+    assert peaks["all"] <= limit + 100 * len(shards), peaks  # (+ the .ok stamps)
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith((".tar", ".tar.ok"))) == [], "no lock or download left"
