@@ -213,14 +213,22 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
 
 def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, retry: Retry = Retry()) -> None:
     """Write a small file so that readers see all of it or nothing: on a local disk a synced temporary
-    file renamed into place; on object storage one PUT (objects appear only when complete)."""
+    file renamed into place (removed if the write fails: the OSError then names `path`); on object
+    storage one PUT (objects appear only when complete)."""
     if is_local(fs):
         partial = f"{path}.partial-{uuid.uuid4().hex}"
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
+        try:
+            with open(partial, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, path)
+        except BaseException as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            if isinstance(exc, OSError) and exc.errno is not None:  # (a failed write names no file)
+                raise OSError(exc.errno, exc.strerror, path) from exc
+            raise
         return
     with_retries(retry, fs.unstrip_protocol(path), lambda: fs.pipe_file(path, data))
 
