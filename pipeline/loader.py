@@ -479,6 +479,9 @@ class StreamLoader:
                 batch = next(batches)
             except StopIteration:
                 return
+            except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
+                raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
+                                   f"memory?): {_describe(exc)}") from exc
             yield batch
 
     def _iterate(self, generation: int) -> Iterator[dict[str, Any]]:
@@ -539,6 +542,10 @@ class StreamLoader:
         self._taken = ()
         self._generation += 1  # an iterator still open would play the old position
         self._stream.batches()  # refuse now a history this dataset cannot have
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _raise_worker_errors(batch: Any) -> dict[str, Any]:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
+import os
 import pathlib
 import shutil
+import signal
 import tarfile
+import time
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from procs import alive, children
 from pycocotools import mask as mask_utils
 
 from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
@@ -287,3 +292,28 @@ def test_a_batch_with_no_good_sample_is_an_error_even_when_skipping(corrupted):
     loader = make_stream_loader(root, "train", batch_size=1, num_workers=2, shuffle=False, on_error="skip", **SMALL)
     with pytest.raises(ShardError, match="all 1 samples of batch 1 failed"):
         _epoch(loader)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self") or not os.path.isdir("/dev/shm"), reason="Linux")
+def test_a_worker_killed_is_a_clear_error_and_leaves_nothing_behind(sa1b_dataset):
+    shm = set(os.listdir("/dev/shm"))
+    others = children(os.getpid())
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=2, **SMALL)
+    batches = iter(loader)
+    next(batches)
+    workers = children(os.getpid()) - others
+    assert len(workers) == 2
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pids?\(?s?\)? [\d, ]+\) (is killed by signal|exited "
+                                           r"unexpectedly)") as excinfo:
+        os.kill(min(workers), signal.SIGKILL)
+        while alive(min(workers)):
+            time.sleep(0.01)
+        time.sleep(1)  # (torch tells of a worker's death at the SIGCHLD, wherever the training loop is then)
+        for _ in batches:
+            pass
+    del excinfo, batches, loader  # (its traceback holds the DataLoader's iterator, whose workers torch still watches)
+    gc.collect()
+    left = [n for n in set(os.listdir("/dev/shm")) - shm if any(f"_{pid}_" in n for pid in workers | {os.getpid()})]
+    assert left == [], "shared memory of the batches"
+    _same(_epoch(make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=2, **SMALL)),
+          _epoch(make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=0, **SMALL)))

@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from pipeline.format import Manifest
+from procs import alive, children
 from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits, split_of
 from shard_tools.sa1b import Sa1bSource
@@ -240,26 +241,6 @@ def test_a_failed_manifest_write_is_a_clear_error_and_leaves_nothing_behind(sa1b
     assert _files(out) == _files(sa1b_dataset)
 
 
-def _children(pid: int) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.add(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _semaphores() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
 
@@ -285,11 +266,11 @@ def _start_and_kill(args: list[str], out: pathlib.Path, group: bool) -> set[int]
         while (len(list(out.glob("*.tar"))) if out.exists() else 0) <= done:
             assert child.poll() is None, "the pack ended before it could be killed"
             time.sleep(0.01)
-        children = _children(child.pid)
+        found = children(child.pid)
     finally:
         os.killpg(child.pid, signal.SIGKILL) if group else child.kill()
         child.wait()
-    return children
+    return found
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.path.isdir("/proc/self"), reason="Linux")
@@ -302,9 +283,9 @@ def test_a_killed_pack_leaves_no_worker_running_and_its_rerun_is_byte_identical(
     workers = _start_and_kill(args, out, group=False)  # the packing process alone
     assert len(workers) >= 2
     deadline = time.monotonic() + 60
-    while any(map(_alive, workers)) and time.monotonic() < deadline:
+    while any(map(alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(map(_alive, workers)), "pool workers outlived the packing process"
+    assert not any(map(alive, workers)), "pool workers outlived the packing process"
 
     before = _semaphores()
     _start_and_kill(args, out, group=True)  # workers and the multiprocessing resource tracker too
