@@ -25,7 +25,7 @@ from pipeline.errors import ManifestError, ShardError, ShardstreamError
 from pipeline.format import Manifest, ShardIndex, ShardInfo, Split
 from pipeline.kinds import KINDS, Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_batch_count, rank_sample_count
-from pipeline.storage import Retry, ShardCache, ShardReader, join, read_manifest
+from pipeline.storage import Retry, ShardCache, ShardReader, filesystem, is_local, join, read_manifest
 from pipeline.tario import ReadLimits, parse_sample
 
 __all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "make_stream_dataset", "validate_first_batch"]
@@ -57,6 +57,7 @@ class LoaderConfig:
     read_ahead: int = 1  # batches whose samples are read while the current one decodes
     read_threads: int = 8  # per worker
     index_cache_bytes: int = 64 << 20  # per worker and dataset: shard indexes kept (least recently used dropped)
+    verify: str = "size"  # or "sha256": each local shard's content checked once per loader (see make_stream_loader)
 
     def __post_init__(self) -> None:
         for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1),
@@ -65,6 +66,8 @@ class LoaderConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.verify not in ("size", "sha256"):
+            raise ValueError(f"verify must be 'size' or 'sha256', got {self.verify!r}")
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
         budget = self.max_errors
@@ -145,6 +148,10 @@ class _ShardStream(IterableDataset):
         self.state = torch.zeros(2 + 2 * _MAX_STRETCHES, dtype=torch.int64).share_memory_()
         # Samples skipped per worker: over all epochs (row 0) and in the current iteration (row 1).
         self.skipped = torch.zeros(2, max(1, config.num_workers), dtype=torch.int64).share_memory_()
+        # With verify="sha256": per shard of each source, the (inode, size, mtime) whose content matched
+        # the manifest's SHA-256, shared so that a shard is hashed by one worker only.
+        self.verified = torch.zeros(sum(len(s.split) for s in sources), 3, dtype=torch.int64).share_memory_() \
+            if config.verify == "sha256" else None
         self.errors_as_values = True  # False when another DataLoader than ours iterates it (make_stream_dataset)
         self.finished = False  # True: yield batches as users get them (`Kind.finish`), not in transit
         self.flatten = False  # True (with `finished`): yield each batch's samples (`Kind.unbatch`)
@@ -205,8 +212,14 @@ class _ShardStream(IterableDataset):
             raise ValueError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
                              f"({self.skipped.shape[1]}); pass max_workers")
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
+        batches = self._batches(world, self.epoch, self.history)
         try:
-            for batch in self._batches(world, self.epoch, self.history):
+            while True:
+                self._check_leases(batches)
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
                 if self.finished:
                     batch = self.kind.finish(batch, self.options)
                 yield from self.kind.unbatch(batch, self.options) if self.flatten else (batch,)
@@ -215,6 +228,20 @@ class _ShardStream(IterableDataset):
                 raise
             exc.add_note(f"in DataLoader worker {info.id}:\n{traceback.format_exc()}")
             yield _WorkerError(exc)
+        finally:
+            batches.close()
+
+    def _check_leases(self, batches: Iterator[Any]) -> None:
+        """Before a batch touches mapped shards: one that another process is rewriting in place is
+        named, after dropping every sample read from it (see `ShardReader.check_leases`)."""
+        if self._reader_pid != os.getpid():
+            return
+        problems = [p for reader in self._reader_list for p in reader.check_leases()]
+        if problems:
+            batches.close()  # (its samples read ahead)
+            self._opened = _Opened(self.config.unit_cache_bytes)
+            more = f" (and {len(problems) - 1} more shards)" if len(problems) > 1 else ""
+            raise ShardError(problems[0][0], problems[0][1] + more)
 
     def _batches(self, world: World, epoch: int, history: tuple[Resume, ...]) -> Iterator[dict[str, Any]]:
         cfg = self.config
@@ -319,8 +346,13 @@ class _ShardStream(IterableDataset):
         if self._reader_pid != os.getpid():
             cfg = self.config
             cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None else None
-            self._reader_list = [ShardReader(s.root, self.storage_options, cfg.retry, cache, cfg.index_cache_bytes)
-                                 for s in self.sources]
+            tables = [None] * len(self.sources)
+            if self.verified is not None:
+                ends = np.cumsum([len(s.split) for s in self.sources]).tolist()
+                table = self.verified.numpy()
+                tables = [(table[end - len(s.split) : end], s.split.names) for s, end in zip(self.sources, ends)]
+            self._reader_list = [ShardReader(s.root, self.storage_options, cfg.retry, cache, verified,
+                                             cfg.index_cache_bytes) for s, verified in zip(self.sources, tables)]
             self._opened = _Opened(cfg.unit_cache_bytes)
             self._reader_pid = os.getpid()
         return self._reader_list
@@ -406,6 +438,7 @@ class StreamLoader:
         self._fingerprint = manifests[0].fingerprint if len(manifests) == 1 else hashlib.sha256(
             json.dumps([[m.fingerprint for m in manifests], mix]).encode()).hexdigest()
         self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
+        self._generation = 0  # of the current iteration: an iterator of an earlier one is no longer valid
 
     @property
     def epoch(self) -> int:
@@ -415,10 +448,11 @@ class StreamLoader:
         """Select the epoch the next `iter()` plays (its shuffle and mask sampling). Call before iterating.
 
         After `load_state_dict`, setting the saved epoch keeps the resumption point; any other epoch
-        starts from its beginning."""
-        if not isinstance(epoch, int) or epoch < 0:
+        starts from its beginning (and an iterator still open is no longer valid)."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         if epoch != self.epoch:
+            self._generation += 1
             self._stream.set_state(epoch, ())
             self._taken = ()
 
@@ -431,9 +465,37 @@ class StreamLoader:
         return self._stream.batches()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The epoch's batches (or the rest of them, after `load_state_dict`). A new iterator, like
+        `load_state_dict` and `set_epoch` to another epoch, ends the validity of any earlier one
+        still open: using that again raises, so it never counts batches in `state_dict()`."""
+        self._generation += 1
+        return self._iterate(self._generation)
+
+    def _check_current(self, generation: int) -> None:
+        if generation != self._generation:
+            raise RuntimeError("this iterator of the loader is no longer valid: load_state_dict(), set_epoch() or a "
+                               "newer iter() came after it began; iterate the loader again")
+
+    def _pulled(self, generation: int) -> Iterator[Any]:
+        """The DataLoader's batches, each taken only while `generation` is current (persistent workers
+        serve whichever iteration asks: a stale one must not take a batch of the next)."""
+        self._check_current(generation)
+        batches = iter(self._loader)
+        while True:
+            self._check_current(generation)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
+                raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
+                                   f"memory?): {_describe(exc)}") from exc
+            yield batch
+
+    def _iterate(self, generation: int) -> Iterator[dict[str, Any]]:
         stream = self._stream
         history, world_size = stream.history, stream.world_size
-        batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._loader)
+        batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._pulled(generation))
         if self.device is not None and self.device.type == "cuda":
             batches = prefetch_to_cuda(batches, self.device)
         elif self.device is not None:
@@ -443,10 +505,12 @@ class StreamLoader:
         past = history[:-1] if done else history
         self._taken = (*past, Resume(world_size, done))
         for batch in batches:
+            self._check_current(generation)  # (the device stage takes a batch ahead)
             done += 1  # counted as handed over: a checkpoint taken while the batch is in use includes it
             self._taken = (*past, Resume(world_size, done))
             yield stream.kind.finish(batch, stream.options)
-        stream.set_state(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
+        if generation == self._generation:
+            stream.set_state(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
 
     def _identity(self) -> dict[str, Any]:
         """What a saved state must share with the loader that resumes it."""
@@ -473,7 +537,7 @@ class StreamLoader:
 
         In the same world the remaining batches equal those of an uninterrupted run; with another
         world size, the samples no rank had taken are split over the new world. A state of another
-        dataset, split or ordering settings is refused."""
+        dataset, split or ordering settings is refused. An iterator still open is no longer valid."""
         for name, value in self._identity().items():
             if state.get(name) != value:
                 raise ValueError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
@@ -484,7 +548,12 @@ class StreamLoader:
             raise ValueError(f"cannot resume: malformed state ({exc})") from exc
         self._stream.set_state(epoch, history)
         self._taken = ()
+        self._generation += 1  # an iterator still open would play the old position
         self._stream.batches()  # refuse now a history this dataset cannot have
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _raise_worker_errors(batch: Any) -> dict[str, Any]:
@@ -504,6 +573,33 @@ def _resolve_device(device: str | torch.device | None, pin_memory: bool | None) 
     if pin_memory and not cuda:
         raise ValueError("pin_memory=True needs device='cuda' (pinned memory only helps copies to the GPU)")
     return resolved, cuda if pin_memory is None else pin_memory
+
+
+def _world(rank: int | None, world_size: int | None) -> World:
+    """This process's place among the ranks: `rank` and `world_size` as given, or both from
+    torch.distributed when it is initialised (else a single process).
+
+    Given ones that disagree with an initialised torch.distributed are refused, but for
+    `world_size=1` (every process reads the whole split) and a `world_size` dividing the process
+    group's (data-parallel replicas under model parallelism, `rank` the replica's index)."""
+    if (rank is None) != (world_size is None):
+        raise ValueError(f"rank and world_size go together, got rank={rank!r} and world_size={world_size!r}: pass "
+                         "both, or neither to take them from torch.distributed")
+    initialised = dist.is_available() and dist.is_initialized()
+    if rank is None or world_size is None:
+        return World(dist.get_rank(), dist.get_world_size()) if initialised else World()
+    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    world = World(rank, world_size)
+    if initialised and world_size != 1:
+        group_rank, group_size = dist.get_rank(), dist.get_world_size()
+        if group_size % world_size or (world_size == group_size and rank != group_rank):
+            raise ValueError(
+                f"rank={rank}, world_size={world_size} disagree with torch.distributed (rank {group_rank} of "
+                f"{group_size}): pass neither to use its, world_size=1 for every process to read the whole split, or "
+                f"for data-parallel replicas a world_size dividing {group_size} with rank the replica's index")
+    return world
 
 
 def make_stream_loader(
@@ -534,6 +630,7 @@ def make_stream_loader(
     cache_limit: int | None = None,
     retry: Retry | None = None,
     read_ahead: int = 1,
+    verify: str = "size",
     **options: Any,
 ) -> StreamLoader:
     """A loader over `split` of the dataset at `source` (a folder written by `shard-pack`), or
@@ -542,9 +639,10 @@ def make_stream_loader(
 
     Every sample of the split is yielded exactly once per epoch across all ranks and workers
     (but for the `drop_last` remainder), every rank yields `len(loader)` batches, and the order is
-    a function of (seed, epoch) only. `rank`/`world_size` default to torch.distributed's when it
-    is initialised. `persistent_workers=None` keeps workers alive across epochs when there are any.
-    `limits` caps what an (untrusted) shard can make the reader do; with `on_error="skip"`,
+    a function of (seed, epoch) only. `rank` and `world_size` go together; without them, they are
+    torch.distributed's when it is initialised (given ones that disagree with it are refused, but
+    for `world_size=1` and data-parallel replicas: see `_world`). `persistent_workers=None` keeps
+    workers alive across epochs when there are any. `limits` caps what an (untrusted) shard can make the reader do; with `on_error="skip"`,
     `max_errors` (a count, or a fraction of the rank's samples) bounds the skips per epoch.
 
     `**options` are the kind's (the manifest says which kind): for SA-1B `image_size=1024`,
@@ -559,15 +657,31 @@ def make_stream_loader(
     `secret`, `anon`). Samples are read by byte range, `read_ahead` batches ahead of decoding;
     transient failures are retried as `retry` says. With `cache_dir` and `cache_limit` (bytes),
     remote shards are kept whole on local disk, least recently used evicted (`storage.ShardCache`).
+
+    Checks of shard content: `verify="size"` (the default) compares each shard's size with the
+    manifest's, one stat (or HEAD) per shard per iteration beside its first read: a shard cut or
+    replaced by one of another size is named. `verify="sha256"` also hashes each local shard the
+    first time the loader reads it (by whichever worker comes first; the others wait for that
+    check), again only if its inode, size or mtime change: a shard replaced by one of the same
+    size, or a wrong manifest, is named before any of its samples is used. It costs reading each
+    shard whole once per loader, workers fresh each epoch or not (~1 s per GiB on a core of this
+    VM, from the page cache), on the path of the first batches that use it. Shards on object
+    storage are refused with it: cached ones are always checked when downloaded, and
+    `shard-pack verify` checks a whole dataset.
     """
     limits = limits or ReadLimits()
     config = LoaderConfig(batch_size, num_workers, shuffle, seed, drop_last, shuffle_window, on_error, max_errors, limits,
-                          unit_cache_bytes, retry or Retry(), cache_dir, cache_limit, read_ahead)
+                          unit_cache_bytes, retry or Retry(), cache_dir, cache_limit, read_ahead, verify=verify)
     resolved, pin = _resolve_device(device, pin_memory)
-    if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    world = World(rank or 0, world_size or 1)
+    if not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool) or prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor must be an int >= 1 (batches each worker prepares ahead), got {prefetch_factor!r}")
+    world = _world(rank, world_size)
     roots = [source] if isinstance(source, str) else list(source)
+    if verify == "sha256":
+        remote = [root for root in roots if not is_local(filesystem(root, storage_options)[0])]
+        if remote:
+            raise ValueError(f"verify='sha256' checks shards on local disk; {remote[0]} is on object storage (cached "
+                             "shards are always checked when downloaded; `shard-pack verify` checks a whole dataset)")
     cache = ShardCache(cache_dir, cache_limit) if cache_dir is not None and cache_limit is not None else None
     manifests = [read_manifest(root, storage_options, config.retry, cache) for root in roots]
     for root, manifest in zip(roots, manifests):

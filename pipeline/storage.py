@@ -17,6 +17,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import functools
 import glob
@@ -27,10 +28,12 @@ import mmap
 import os
 import posixpath
 import random
+import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import fsspec
@@ -256,27 +259,71 @@ def read_index(fs: fsspec.AbstractFileSystem, base: str, root: str, shard: Shard
 
 def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, retry: Retry = Retry()) -> None:
     """Write a small file so that readers see all of it or nothing: on a local disk a synced temporary
-    file renamed into place; on object storage one PUT (objects appear only when complete)."""
+    file renamed into place (removed if the write fails: the OSError then names `path`); on object
+    storage one PUT (objects appear only when complete)."""
     if is_local(fs):
         partial = f"{path}.partial-{uuid.uuid4().hex}"
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
+        try:
+            with open(partial, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, path)
+        except BaseException as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            if isinstance(exc, OSError) and exc.errno is not None:  # (a failed write names no file)
+                raise OSError(exc.errno, exc.strerror, path) from exc
+            raise
         return
     with_retries(retry, fs.unstrip_protocol(path), lambda: fs.pipe_file(path, data))
 
 
 @contextlib.contextmanager
 def _locked(path: str) -> Iterator[None]:
-    """An exclusive lock between processes (and threads) of this node, held while in the block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """An exclusive lock between processes (and threads) of this node, held while in the block. Its
+    holder removes the lock file before letting go; a waiter that got the lock of a removed file
+    tries again on whatever file is there now."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         os.close(fd)  # releases the lock
+
+
+class _CacheFull(Exception):
+    """No room in the cache for one more shard: downloads in progress hold the rest."""
+
+
+def _reserve(path: str, size: int) -> int:
+    """A new file at `path` taking `size` bytes of disk (a sparse file where the filesystem cannot
+    allocate ahead), locked while open; its descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # (marks the download live: see ShardCache._room)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
 
 
 class ShardCache:
@@ -287,8 +334,17 @@ class ShardCache:
     per shard), under a temporary name, checked against its SHA-256 and renamed into place: a
     partial download is never read. A check is recorded beside the file (`.ok`: inode, size,
     mtime); a file changed since its check is checked again and, if corrupt, fetched again. Every
-    use stamps a file's access time; making room removes the least recently used files. Safe for
-    several workers and processes of one node sharing the directory."""
+    use stamps a file's access time. Safe for several workers and processes of one node sharing
+    the directory.
+
+    Space is reserved before a download: under the cache's lock, the least recently used shards
+    are removed until the finished shards, the downloads in progress (each made at its full size
+    when it starts) and the new one fit in `limit`; with no room left beside other downloads, the
+    shard is not cached this time (its samples are read by range). So the shards and downloads in
+    the directory never exceed `limit`. Beyond it: the `.ok` stamps (~60 bytes a shard), and a
+    removed shard that a reader still has open keeps its disk blocks until that reader lets go.
+    A download of a killed process is removed by the next one that needs room; lock files are
+    removed by their holders."""
 
     def __init__(self, directory: str, limit: int) -> None:
         if not isinstance(limit, int) or limit < 1:
@@ -323,19 +379,23 @@ class ShardCache:
             if (found := self.lookup(url, sha256)) is not None:  # another process fetched it meanwhile
                 return found
             for debris in glob.glob(glob.escape(path) + ".partial-*"):  # of a killed download (we hold the lock)
-                os.unlink(debris)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(debris)
             partial = f"{path}.partial-{uuid.uuid4().hex}"
+            fd = self._room(partial, size, url)
             try:
-                with open(partial, "wb") as f:
+                with os.fdopen(os.dup(fd), "r+b") as f:
                     fetch(f)
+                    if f.tell() != size:
+                        raise ShardError(url, f"download gave {f.tell()} bytes, the manifest says {size}")
                 digest = sha256_file(partial)
                 if digest != sha256:
                     raise ShardError(url, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
-                self._make_room(size)
-                os.replace(partial, path)
+                os.replace(partial, path)  # (the reserved bytes become the shard's)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(partial)
+                os.close(fd)
         log.debug("cached %s as %s", url, path)
         return self.lookup(url, sha256) or path
 
@@ -355,9 +415,20 @@ class ShardCache:
                 if sha256 is None or hashlib.sha256(data).hexdigest() == sha256:
                     return data
             data = fetch()
-            if sha256 is None or hashlib.sha256(data).hexdigest() == sha256:  # (else: the caller names the problem)
-                self._make_room(len(data))
-                write_bytes(LocalFileSystem(), path, data)
+            if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+                return data  # (not kept: the caller names the problem)
+            partial = f"{path}.partial-{uuid.uuid4().hex}"
+            try:
+                fd = self._room(partial, len(data), path)
+            except _CacheFull:
+                return data
+            try:
+                os.pwrite(fd, data, 0)
+                os.replace(partial, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+                os.close(fd)
         return data
 
     def _remove(self, path: str) -> None:
@@ -365,21 +436,45 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)  # a reader holding it open keeps reading it
 
-    def _make_room(self, size: int) -> None:
-        with _locked(os.path.join(self.directory, ".evict.lock")):
-            entries = []
+    def _room(self, partial: str, size: int, url: str) -> int:
+        """Reserve `size` bytes for a download to `partial` (see the class): its descriptor, locked
+        until closed. Raises _CacheFull if the downloads in progress leave no room."""
+        with _locked(os.path.join(self.directory, ".cache.lock")):
+            entries, downloading = [], 0
             for name in os.listdir(self.directory):
-                if name.endswith((".tar", ".idx", ".json")):
-                    with contextlib.suppress(FileNotFoundError):
-                        stat = os.stat(os.path.join(self.directory, name))
+                where = os.path.join(self.directory, name)
+                with contextlib.suppress(FileNotFoundError):
+                    if name.endswith((".tar", ".idx", ".json")):
+                        stat = os.stat(where)
                         entries.append((stat.st_atime_ns, name, stat.st_size))
-            held = sum(e[2] for e in entries)
+                    elif ".partial-" in name:
+                        downloading += self._live_download(where)
+            held = downloading + sum(e[2] for e in entries)
             for _, name, bytes_ in sorted(entries):
                 if held + size <= self.limit:
                     break
                 self._remove(os.path.join(self.directory, name))
                 held -= bytes_
                 log.debug("evicted %s (%d bytes) from the cache", name, bytes_)
+            if held + size > self.limit:
+                raise _CacheFull(f"{url}: not cached this time: downloads in progress hold {downloading} of the "
+                                 f"cache's {self.limit} bytes")
+            return _reserve(partial, size)
+
+    @staticmethod
+    def _live_download(path: str) -> int:
+        """The bytes a download in progress holds; a killed process's (its lock is free) is removed."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return os.fstat(fd).st_size
+            os.unlink(path)
+            log.debug("removed %s, the download of a process that ended", path)
+            return 0
+        finally:
+            os.close(fd)
 
 
 def sha256_file(path: str) -> str:
@@ -391,15 +486,59 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
+@dataclasses.dataclass
+class _Lease:
+    """A local shard mapped under a read lease: our descriptor (to ask about the lease), and the file
+    as it was when mapped. `dead` once the mapping is gone (its descriptor is closed at the next check)."""
+
+    url: str
+    path: str
+    fd: int
+    ino: int
+    size: int
+    dead: bool = False
+
+
+def _mapping_gone(lease: _Lease) -> None:
+    lease.dead = True  # (a finalizer: closing the descriptor here could race with a check reusing its number)
+
+
+def _read_file(path: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a local file, copied (fewer at its end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts = []
+        while start < end:
+            part = os.pread(fd, min(end - start, 1 << 30), start)
+            if not part:
+                break
+            parts.append(part)
+            start += len(part)
+    finally:
+        os.close(fd)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 class ShardReader:
     """Reads samples of one dataset's shards by byte range, with retries, from storage or the cache.
 
     With a cache, a shard not cached yet is downloaded whole in a background thread while its
     samples keep streaming by byte range: the first batch never waits for whole shards.
-    Build it in the process that reads (a DataLoader worker)."""
+    Build it in the process that reads (a DataLoader worker).
+
+    Local shards (in place or cached) are memory-mapped, each under a read lease (Linux `F_SETLEASE`):
+    a process that opens a mapped shard for writing or truncates it must wait until the mapping is
+    gone (at most /proc/sys/fs/lease-break-time, 45 s by default), and `check_leases`, called before
+    each batch, names that shard. So a shard cut in place never faults a reader (SIGBUS, which
+    would kill the process). Where no lease can be had (not the file's owner and no CAP_LEASE, a
+    filesystem without leases, a file open for writing), shards are read by copy instead."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None, retry: Retry,
-                 cache: ShardCache | None = None, index_bytes: int = 64 << 20) -> None:
+                 cache: ShardCache | None = None, verified: tuple[Any, Sequence[str]] | None = None,
+                 index_bytes: int = 64 << 20) -> None:
+        """`verified`: to check local shards' SHA-256, a table of one row per shard (an int64 array
+        of shape (shards, 3), shared between the processes reading) and the shards' names.
+        `index_bytes`: shard indexes kept (least recently used dropped past it)."""
         self.root, self.retry = root, retry
         self.fs, self.base = filesystem(root, storage_options)
         self.cache = None if is_local(self.fs) else cache  # local shards are read in place
@@ -411,6 +550,10 @@ class ShardReader:
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._maps: collections.OrderedDict[tuple[str, int, int], memoryview] = collections.OrderedDict()
+        self._leases: dict[int, _Lease] = {}  # by descriptor: mapped shards, while any view of them lives
+        self._copied = False  # a local shard was read by copy (no lease): said once in the log
+        self._verified = verified
+        self._index: dict[str, int] | None = None  # shard name -> row of `verified`
 
     def holds_index(self, name: str) -> bool:
         return name in self._indexes
@@ -451,27 +594,72 @@ class ShardReader:
             local = self.cache.lookup(url, sha256)
             if local is not None:
                 with contextlib.suppress(FileNotFoundError):  # (evicted meanwhile: stream)
-                    view = self._mapped(local)
-                    if len(view) >= end:
-                        return view[start:end]
+                    data = self._local(local, url, start, end)
+                    if len(data) == end - start:
+                        return data
             self._download(name, url, path, size, sha256)
         elif is_local(self.fs):
             try:
-                view = self._mapped(path)
+                if self._verified is not None:
+                    self._verify(name, path, url, sha256)
+                data = self._local(path, url, start, end)
             except FileNotFoundError as exc:
                 raise ShardError(url, f"sample {key!r}: shard is missing") from exc
             except (OSError, ValueError) as exc:
-                raise ShardError(url, f"sample {key!r}: cannot map the shard: {_describe(exc)}") from exc
-            if len(view) < end:
-                raise ShardError(url, f"sample {key!r}: shard is {len(view)} bytes, shorter than the sample's range "
+                raise ShardError(url, f"sample {key!r}: cannot read the shard: {_describe(exc)}") from exc
+            if len(data) < end - start:
+                actual: int | str = "now fewer"
+                with contextlib.suppress(OSError):
+                    actual = os.stat(path).st_size
+                raise ShardError(url, f"sample {key!r}: shard is {actual} bytes, shorter than the sample's range "
                                  f"({start}-{end})")
-            return view[start:end]
+            return data
         return read_range(self.fs, path, url, start, end, key, self.retry)
 
-    def _mapped(self, path: str) -> memoryview:
-        """The file at `path` mapped read-only, kept for later reads (the newest 64 files; a file
-        replaced since is mapped anew). Shards are replaced by rename, never rewritten in place: a
-        file cut short under a mapping would fault its reader."""
+    def _verify(self, name: str, path: str, url: str, sha256: str) -> None:
+        """Check a local shard's SHA-256 against the manifest's, unless the shared table says the file
+        as it is now (inode, size, mtime) was checked: by one process at a time (a lock on the shard,
+        so that the others wait for its answer instead of hashing it again)."""
+        table, names = self._verified  # type: ignore[misc]
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(names)}
+        row = table[self._index[name]]
+
+        def checked() -> bool:
+            stat = os.stat(path)
+            return row.tolist() == [stat.st_ino, stat.st_size, stat.st_mtime_ns]
+
+        if checked():
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(OSError):  # (no lock where the filesystem has none: hash it here too)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if checked():
+                return
+            stat = os.fstat(fd)
+            digest = hashlib.sha256()
+            while block := os.read(fd, 1 << 22):
+                digest.update(block)
+            if digest.hexdigest() != sha256:
+                raise ShardError(url, f"content has SHA-256 {digest.hexdigest()}, the manifest says {sha256}: the "
+                                 "shard was changed since it was packed, or the manifest was edited (verify='sha256')")
+            row[:] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            log.debug("%s: SHA-256 checked", url)
+        finally:
+            os.close(fd)  # (and the lock)
+
+    def _local(self, path: str, url: str, start: int, end: int) -> bytes | memoryview:
+        """Bytes [start, end) of a local file (fewer at its end): a view of its mapping, or a copy
+        where it cannot be mapped under a lease."""
+        view = self._mapped(path, url)
+        if view is not None:
+            return view[start:end]
+        return _read_file(path, start, end)
+
+    def _mapped(self, path: str, url: str) -> memoryview | None:
+        """The file at `path` mapped read-only under a read lease, kept for later reads (the newest 64
+        files; a file replaced since, by rename, is mapped anew); None where no lease can be had."""
         stat = os.stat(path)
         where = (path, stat.st_ino, stat.st_size)
         with self._lock:
@@ -479,13 +667,66 @@ class ShardReader:
             if view is not None:
                 self._maps.move_to_end(where)
                 return view
-        with open(path, "rb") as f:
-            view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if stat.st_size else memoryview(b"")
+        if not stat.st_size:
+            return memoryview(b"")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            # A lease break signals the holder (SIGIO by default, which would end the process); SIGURG
+            # is ignored unless handled. `check_leases` asks about the lease instead.
+            fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except (OSError, AttributeError) as exc:  # (AttributeError: not Linux)
+            os.close(fd)
+            level = logging.DEBUG if self._copied else logging.WARNING
+            self._copied = True
+            log.log(level, "%s: no read lease on local shard %s (%s): local shards are read by copy instead of "
+                    "memory-mapped (slower for embeddings)", self.root, path, _describe(exc))
+            return None
+        try:
+            stat = os.fstat(fd)  # (the file leased: what `path` named when stat'ed above, or its replacement)
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        lease = _Lease(url, path, fd, stat.st_ino, stat.st_size)
+        weakref.finalize(mapping, _mapping_gone, lease)
+        view = memoryview(mapping)
         with self._lock:
-            self._maps[where] = view
+            self._leases[fd] = lease
+            self._maps[(path, stat.st_ino, stat.st_size)] = view
             while len(self._maps) > 64:
                 self._maps.popitem(last=False)  # (unmapped once the samples read from it are dropped)
         return view
+
+    def check_leases(self) -> list[tuple[str, str]]:
+        """(url, what changed) of each mapped shard that another process has opened for writing or is
+        truncating (it waits for our mapping to go), or whose lease ran out; empty if none.
+
+        Call it before each batch, in the thread that uses the mapped samples. A shard named here is
+        forgotten: drop every sample read from it, then its mapping goes and the writer goes on."""
+        problems = []
+        with self._lock:
+            for fd, lease in list(self._leases.items()):
+                if lease.dead:  # (mapping gone: closing the last descriptor lets go of the lease)
+                    del self._leases[fd]
+                    os.close(fd)
+                    continue
+                try:
+                    held = fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK
+                except OSError:
+                    held = False
+                if held:
+                    continue
+                now = os.fstat(fd).st_size
+                change = f"it was {lease.size} bytes when mapped, {now} now" if now != lease.size else \
+                    "another process opened it for writing or is truncating it"
+                problems.append((lease.url, f"shard rewritten in place while the loader reads it ({change}); replace "
+                                 "shards by rename (as shard-pack does), never in place"))
+                for where in [w for w in self._maps if w[:3] == (lease.path, lease.ino, lease.size)]:
+                    del self._maps[where]
+                del self._leases[fd]
+                os.close(fd)  # (the mapping keeps the lease until it goes)
+        return problems
 
     def start_downloads(self) -> None:
         """Let background downloads begin (after the first batch: they would slow it down)."""
@@ -506,7 +747,9 @@ class ShardReader:
             if running is not None and not running.done():
                 return
             if running is not None and running.exception() is not None:
-                log.warning("%s: caching failed (%s); trying again", url, running.exception())
+                failed = running.exception()
+                log.log(logging.INFO if isinstance(failed, _CacheFull) else logging.WARNING,
+                        "%s: caching failed (%s); trying again", url, failed)
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardstream-cache")
 
@@ -522,5 +765,7 @@ class ShardReader:
         with self._lock:
             downloads, self._downloads = list(self._downloads.items()), {}
         for name, future in downloads:
-            if future.exception() is not None:
-                log.warning("%s: caching failed: %s", join(self.root, name), future.exception())
+            exc = future.exception()
+            if exc is not None:
+                log.log(logging.INFO if isinstance(exc, _CacheFull) else logging.WARNING, "%s: caching failed: %s",
+                        join(self.root, name), exc)

@@ -3,7 +3,8 @@
 
 Exit codes: 0 done; 1 the data has problems (too many skipped inputs, embeddings input that fails
 its checks, `verify` findings); 2 the command cannot run as asked (bad arguments, output folder
-holding something else).
+holding something else); 3 the run failed on its environment (disk full, an I/O error, a worker
+process killed): the finished shards are kept, and the same command run again finishes the pack.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from concurrent.futures.process import BrokenProcessPool
 
 from pipeline.errors import InputError, ShardstreamError
 from pipeline.storage import read_manifest
@@ -149,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PackError, ShardstreamError, ValueError, FileNotFoundError) as exc:
         log.error("shard-pack: %s", exc)
         return 2
+    except (OSError, BrokenProcessPool) as exc:
+        what = "a packing worker process died (killed, or out of memory?)" if isinstance(exc, BrokenProcessPool) else exc
+        log.error("shard-pack: %s; the finished shards are kept: fix that, then run the same command again", what)
+        return 3
     return 0
 
 

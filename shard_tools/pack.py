@@ -26,6 +26,7 @@ import os
 import posixpath
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -388,7 +389,51 @@ def _summary(manifest: Manifest, reused: int, seconds: float) -> PackSummary:
     )
 
 
+def _remove_debris(out: str) -> None:
+    """What a run killed mid-way leaves besides its shards' temporary files (removed once a run
+    finishes): a manifest being written, and, when its whole process group was killed (the
+    multiprocessing resource tracker too), named semaphores in /dev/shm."""
+    fs, base = filesystem(out)
+    if is_local(fs):
+        for partial in glob.glob(glob.escape(join(base, MANIFEST_NAME)) + ".partial-*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+    _remove_stale_semaphores()
+
+
+def _remove_stale_semaphores(shm: str = "/dev/shm") -> None:
+    """Remove multiprocessing's named semaphores (`sem.mp-*`) of this user that no process has open
+    (a semaphore is mapped by every process that has it open). Linux; elsewhere nothing to do.
+    (A process in another PID namespace sharing /dev/shm is not seen: such sharing is rare.)"""
+    try:
+        names = {n for n in os.listdir(shm) if n.startswith("sem.mp-") and os.stat(join(shm, n)).st_uid == os.getuid()}
+    except OSError:
+        return
+    if not names or not os.path.isdir("/proc/self"):
+        return
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            names -= {line.split(f"{shm}/", 1)[1].split()[0] for line in maps if f"{shm}/sem.mp-" in line}
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(join(shm, name))
+            log.info("removed %s/%s, a semaphore left by a process killed with its resource tracker", shm, name)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """In a pool worker: end when the packing process does, even killed (else the worker would finish
+    its shard and the ones queued for it, then wait for work forever)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shard-pack-parent", daemon=True).start()
+
+
 def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions) -> Iterable[tuple[_Task, dict[str, Any]]]:
+    _remove_debris(out)
     if options.dask is not None:
         yield from _execute_dask(source, tasks, out, options)
         return
@@ -397,7 +442,8 @@ def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions)
             yield task, _run_task(source, task, out)
         return
     context = multiprocessing.get_context("spawn")  # safe with threads (progress bar) and any library
-    with concurrent.futures.ProcessPoolExecutor(min(options.workers, len(tasks)), mp_context=context) as pool:
+    with concurrent.futures.ProcessPoolExecutor(min(options.workers, len(tasks)), mp_context=context,
+                                                initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(_run_task, source, task, out): task for task in tasks}
         try:
             for future in concurrent.futures.as_completed(futures):

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
+import os
 import pathlib
 import shutil
+import signal
 import tarfile
+import time
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from procs import alive, children
 from pycocotools import mask as mask_utils
 
 from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
@@ -112,7 +117,7 @@ def _sources(sa1b_src: pathlib.Path) -> dict[str, tuple[bytes, dict]]:
     return {k: (v["jpg"], json.loads(v["json"])) for k, v in found.items()}
 
 
-@pytest.mark.parametrize("mask_size", [32, None])
+@pytest.mark.parametrize("mask_size", [32, None, 128])  # 128: masks finer than the 80-pixel images, allowed
 def test_batches_match_reference_decoders(sa1b_src, sa1b_dataset, mask_size):
     options = Sa1bOptions(image_size=80, mask_size=mask_size, max_masks=6)
     loader = make_stream_loader(sa1b_dataset, "train", batch_size=3, num_workers=2, seed=11, drop_last=False,
@@ -253,6 +258,27 @@ def test_device_and_argument_errors(sa1b_dataset):
         make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0).set_epoch(-1)
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # (none from a half-made DataLoader)
+def test_misused_arguments_are_refused_by_name(sa1b_dataset):
+    def make(**kwargs):
+        return make_stream_loader(sa1b_dataset, "val", **{"batch_size": 2, "num_workers": 0, **SMALL, **kwargs})
+
+    for given in (dict(world_size=2), dict(rank=1), dict(rank=None, world_size=1)):
+        with pytest.raises(ValueError, match="rank and world_size go together"):
+            make(**given)
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        make(rank=0, world_size=0)
+    with pytest.raises(ValueError, match="rank 2 not in"):
+        make(rank=2, world_size=2)
+    for factor in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"prefetch_factor must be an int >= 1.*got {factor!r}"):
+            make(num_workers=2, prefetch_factor=factor)
+    loader = make()
+    for epoch in (True, False, -1, 1.0):
+        with pytest.raises(ValueError, match="epoch must be an int >= 0"):
+            loader.set_epoch(epoch)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_batches_are_on_the_device(sa1b_dataset):
     loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, device="cuda", **SMALL)
@@ -267,3 +293,28 @@ def test_a_batch_with_no_good_sample_is_an_error_even_when_skipping(corrupted):
     loader = make_stream_loader(root, "train", batch_size=1, num_workers=2, shuffle=False, on_error="skip", **SMALL)
     with pytest.raises(ShardError, match="all 1 samples of batch 1 failed"):
         _epoch(loader)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self") or not os.path.isdir("/dev/shm"), reason="Linux")
+def test_a_worker_killed_is_a_clear_error_and_leaves_nothing_behind(sa1b_dataset):
+    shm = set(os.listdir("/dev/shm"))
+    others = children(os.getpid())
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=2, **SMALL)
+    batches = iter(loader)
+    next(batches)
+    workers = children(os.getpid()) - others
+    assert len(workers) == 2
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pids?\(?s?\)? [\d, ]+\) (is killed by signal|exited "
+                                           r"unexpectedly)") as excinfo:
+        os.kill(min(workers), signal.SIGKILL)
+        while alive(min(workers)):
+            time.sleep(0.01)
+        time.sleep(1)  # (torch tells of a worker's death at the SIGCHLD, wherever the training loop is then)
+        for _ in batches:
+            pass
+    del excinfo, batches, loader  # (its traceback holds the DataLoader's iterator, whose workers torch still watches)
+    gc.collect()
+    left = [n for n in set(os.listdir("/dev/shm")) - shm if any(f"_{pid}_" in n for pid in workers | {os.getpid()})]
+    assert left == [], "shared memory of the batches"
+    _same(_epoch(make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=2, **SMALL)),
+          _epoch(make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=0, **SMALL)))

@@ -7,11 +7,16 @@ import json
 import os
 import pathlib
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from PIL import Image
 
 from pipeline.format import Manifest
+from procs import alive, children
 from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits, split_of
 from shard_tools.sa1b import Sa1bSource
@@ -215,3 +220,93 @@ def test_quiet_before_or_after_the_subcommand(sa1b_src, tmp_path, capsys, at):
     assert main(["verify", "-q", str(out)]) == 0
     err = capsys.readouterr().err
     assert "it/s" not in err and "samples/s" not in err and "images/s" not in err
+
+
+REPO = str(pathlib.Path(__file__).resolve().parent.parent)
+_ENV = {**os.environ, "PYTHONPATH": REPO}
+_CLI = [sys.executable, "-m", "shard_tools.cli", "-q", "sa1b"]
+# The CLI with writes past 1,000 bytes refused (EFBIG, as a full disk refuses them with ENOSPC).
+_CLI_SMALL_WRITES = [sys.executable, "-c", "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                     "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); from shard_tools.cli import main; "
+                     "sys.exit(main(sys.argv[1:]))", "-q", "sa1b"]
+
+
+def test_a_failed_manifest_write_is_a_clear_error_and_leaves_nothing_behind(sa1b_src, sa1b_dataset, tmp_path):
+    out = tmp_path / "out"
+    shards = len(list(pathlib.Path(sa1b_dataset).glob("*.tar")))
+    finished = []
+
+    def stop_before_the_manifest(name: str) -> None:
+        finished.append(name)
+        if len(finished) == shards:
+            raise KeyboardInterrupt
+
+    options = PackOptions(shard_samples=3, splits=(("train", 0.7), ("val", 0.3)))
+    with pytest.raises(KeyboardInterrupt):
+        pack(Sa1bSource(), [str(sa1b_src)], str(out), options, progress=False, on_shard=stop_before_the_manifest)
+    args = [str(sa1b_src), str(out), "--shard-samples", "3", "--split", "train=0.7,val=0.3", "--workers", "1"]
+    run = subprocess.run(_CLI_SMALL_WRITES + args, cwd=REPO, env=_ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 3, run.stderr  # (not 1, which means the data has problems)
+    assert "File too large" in run.stderr and "manifest.json" in run.stderr and "run the same command again" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not list(out.glob("manifest.json*")), "no manifest, and no temporary file of one"
+    (out / "manifest.json.partial-0123abcd").write_bytes(b"debris of a run killed while writing it")
+    run = subprocess.run(_CLI + args, cwd=REPO, env=_ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert _files(out) == _files(sa1b_dataset)
+
+
+def _semaphores() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+
+
+def _open_semaphores() -> set[str]:
+    """Semaphores some process has open (mapped)."""
+    names = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            names |= {line.split("/dev/shm/", 1)[1].split()[0]
+                      for line in pathlib.Path(f"/proc/{entry}/maps").read_text().splitlines() if "/dev/shm/sem.mp-" in line}
+        except OSError:
+            continue
+    return names
+
+
+def _start_and_kill(args: list[str], out: pathlib.Path, group: bool) -> set[int]:
+    """Start a pack with 2 worker processes, SIGKILL it (with its whole process group) once a shard is
+    written; its child processes as they were."""
+    done = len(list(out.glob("*.tar"))) if out.exists() else 0
+    child = subprocess.Popen(_CLI + args, cwd=REPO, env=_ENV, start_new_session=True, stderr=subprocess.DEVNULL)
+    try:
+        while (len(list(out.glob("*.tar"))) if out.exists() else 0) <= done:
+            assert child.poll() is None, "the pack ended before it could be killed"
+            time.sleep(0.01)
+        found = children(child.pid)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL) if group else child.kill()
+        child.wait()
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.path.isdir("/proc/self"), reason="Linux")
+def test_a_killed_pack_leaves_no_worker_running_and_its_rerun_is_byte_identical(tmp_path):
+    src, out, reference = tmp_path / "src", tmp_path / "out", tmp_path / "reference"
+    write_sa1b(src, images=40, size=(160, 240), masks=(10, 30), layout="folder", seed=9)
+    pack(Sa1bSource(), [str(src)], str(reference), PackOptions(shard_samples=1), progress=False)
+    args = [str(src), str(out), "--shard-samples", "1", "--workers", "2"]
+
+    workers = _start_and_kill(args, out, group=False)  # the packing process alone
+    assert len(workers) >= 2
+    deadline = time.monotonic() + 60
+    while any(map(alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(alive, workers)), "pool workers outlived the packing process"
+
+    before = _semaphores()
+    _start_and_kill(args, out, group=True)  # workers and the multiprocessing resource tracker too
+    left = (_semaphores() - before) - _open_semaphores()
+    assert left, "the killed run left its semaphores"
+    run = subprocess.run(_CLI + args, cwd=REPO, env=_ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert not left & _semaphores(), "semaphores of the killed run removed by the next"
+    assert _files(out) == _files(reference)

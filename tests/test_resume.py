@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -122,3 +127,70 @@ def test_mismatched_state_is_refused(sa1b_dataset, sa1b_src, tmp_path):
         _loader(sa1b_dataset).load_state_dict({**state, "history": [["x"]]})
     with pytest.raises(Exception, match="cannot resume after batch"):
         _loader(sa1b_dataset).load_state_dict({**state, "history": [[1, 999]]})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_left_open_never_counts_in_the_state(sa1b_dataset, workers):
+    full = _run(_loader(sa1b_dataset), 1)
+    saved = _loader(sa1b_dataset)
+    _run(saved, 1, stop=1)
+    state = saved.state_dict()  # epoch 1, one batch taken
+    loader = _loader(sa1b_dataset, num_workers=workers)
+    loader.set_epoch(0)
+    old = iter(loader)
+    next(old), next(old)
+    loader.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="no longer valid: load_state_dict"):
+        for _ in old:  # (before: it went on with epoch 0, and the state counted its batches as epoch 1's)
+            pass
+    assert loader.state_dict() == state
+    _assert_same(_run(loader, 1), full[1:])
+
+    loader.set_epoch(2)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        next(first)
+    next(second)
+    loader.set_epoch(3)
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        next(second)
+    assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["history"] == []
+
+
+REPO = str(pathlib.Path(__file__).resolve().parent.parent)
+# A training loop that checkpoints the loader's state after each batch, and hangs after `stop` of them.
+_TRAIN = r"""
+import json, os, sys, time
+from pipeline import make_stream_loader
+root, checkpoint, stop = sys.argv[1], sys.argv[2], int(sys.argv[3])
+loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, seed=5, image_size=48, mask_size=16, max_masks=3)
+loader.set_epoch(2)
+for i, batch in enumerate(loader):
+    with open(checkpoint + ".tmp", "w") as f:
+        json.dump(loader.state_dict(), f)
+    os.replace(checkpoint + ".tmp", checkpoint)
+    if i + 1 == stop:
+        print("checkpointed", flush=True)
+        time.sleep(600)
+"""
+
+
+def test_a_training_process_killed_mid_epoch_resumes_exactly(sa1b_dataset, tmp_path):
+    full = _run(_loader(sa1b_dataset), 2)
+    stop = len(full) // 2
+    checkpoint = str(tmp_path / "loader.json")
+    child = subprocess.Popen([sys.executable, "-c", _TRAIN, sa1b_dataset, checkpoint, str(stop)], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "checkpointed\n"
+    finally:
+        child.kill()  # SIGKILL, mid-epoch
+        child.wait()
+    with open(checkpoint) as f:
+        state = json.load(f)
+    assert state["history"] == [[1, stop]]
+    resumed = _loader(sa1b_dataset, num_workers=2)
+    resumed.load_state_dict(state)
+    _assert_same(_run(resumed, 2), full[stop:])

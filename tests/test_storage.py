@@ -3,12 +3,17 @@ streaming from s3://, range reads, the shard cache, and every fault mode of the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import multiprocessing
 import os
 import pathlib
+import re
 import shutil
+import subprocess
+import sys
+import threading
 import uuid
 import weakref
 
@@ -29,6 +34,7 @@ from shard_tools.verify import upgrade
 from conftest import indexed
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
+REPO = str(pathlib.Path(__file__).resolve().parent.parent)
 FAST = Retry(attempts=4, initial_delay=0.01, max_delay=0.05)
 os.environ.update({k: v for k, v in AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
 
@@ -291,3 +297,136 @@ def test_upgrade_in_place_on_object_storage(server, sa1b_dataset, tmp_path):
     for path in pathlib.Path(sa1b_dataset).iterdir():
         assert fs.cat_file(f"{url}/{path.name}".removeprefix("s3://")) == path.read_bytes(), path.name
     _same(_epoch(url, storage_options=storage_options(server.endpoint)), _epoch(sa1b_dataset))
+
+
+# A training process that stops after its first batch until told to go on (the test cuts the shards
+# meanwhile); with "hold", it first opens every shard for writing, so that no read lease can be had.
+_CUT_CHILD = r"""
+import pathlib, sys
+from pipeline import make_stream_loader
+root, workers, hold = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "hold"
+held = [open(p, "r+b") for p in sorted(pathlib.Path(root).glob("*.tar"))] if hold else []
+loader = make_stream_loader(root, "train", batch_size=1, num_workers=workers, shuffle=False, image_size=32,
+                            mask_size=8, max_masks=2)
+for i, batch in enumerate(loader):
+    if i == 0:
+        print("first batch", flush=True)
+        sys.stdin.readline()
+print("epoch done", flush=True)
+"""
+
+
+def _cut_in_place(path: pathlib.Path) -> None:
+    """Truncate a shard in place, as a tool rewriting it would; where a reader maps it, only start to:
+    the open fails at once but the reader's lease break has begun (a blocking truncate would wait)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except BlockingIOError:
+        return
+    try:
+        os.ftruncate(fd, os.fstat(fd).st_size // 3)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(("workers", "hold"), [(0, ""), (2, ""), (2, "hold")])
+def test_a_shard_cut_in_place_mid_epoch_ends_in_a_named_error_never_a_signal(sa1b_dataset, tmp_path, workers, hold):
+    root = tmp_path / "ds"
+    shutil.copytree(sa1b_dataset, root)
+    child = subprocess.Popen([sys.executable, "-c", _CUT_CHILD, str(root), str(workers), hold or "-"], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": REPO}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "first batch\n"
+        for shard in sorted(root.glob("train-*.tar")):
+            _cut_in_place(shard)
+        out, err = child.communicate("go\n", timeout=300)
+    finally:
+        child.kill()
+    assert child.returncode == 1, f"ended by signal {-child.returncode}" if child.returncode < 0 else err[-3000:]
+    assert re.search(r"ShardError: \S+/train-\d{6}\.tar: ", err), err[-3000:]
+    assert "epoch done" not in out
+    assert ("read by copy instead of memory-mapped" in err) == bool(hold)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_verify_sha256_names_a_shard_changed_at_the_same_size(sa1b_dataset, tmp_path, workers):
+    root = tmp_path / "ds"
+    shutil.copytree(sa1b_dataset, root)
+    options = dict(batch_size=2, num_workers=workers, seed=5, **SMALL)
+    clean = list(make_stream_loader(str(root), "train", **options))
+    _same(list(make_stream_loader(str(root), "train", verify="sha256", **options)), clean)
+    shard = Manifest.from_json((root / "manifest.json").read_bytes(), "m").splits["train"][1]
+    data = bytearray((root / shard.name).read_bytes())
+    jpeg = shard.offsets[1] + 512  # (after the member's tar header)
+    assert data[jpeg : jpeg + 4] == b"\xff\xd8\xff\xe0" and data[jpeg + 6 : jpeg + 10] == b"JFIF"
+    data[jpeg + 15] ^= 0x01  # the JPEG's pixel density: it still decodes; the same size, the same keys
+    (root / "replacement").write_bytes(bytes(data))
+    os.replace(root / "replacement", root / shard.name)
+    assert len(list(make_stream_loader(str(root), "train", **options))) == len(clean), "the size check cannot see it"
+    with pytest.raises(ShardError, match=rf"{shard.name}: content has SHA-256 [0-9a-f]{{64}}, the manifest says "
+                                         rf"{shard.sha256}"):
+        list(make_stream_loader(str(root), "train", verify="sha256", **options))
+    with pytest.raises(ValueError, match="verify must be 'size' or 'sha256'"):
+        make_stream_loader(str(root), "train", verify="md5", **options)
+
+
+def test_verify_sha256_refuses_object_storage(remote, server):
+    with pytest.raises(ValueError, match=r"verify='sha256' checks shards on local disk; s3://"):
+        make_stream_loader(remote, "train", batch_size=2, num_workers=0, storage_options=storage_options(server.endpoint),
+                           verify="sha256", **SMALL)
+
+
+def _cached_epochs(source: str, endpoint: str, cache: str, limit: int, seed: int, out) -> None:
+    loader = make_stream_loader(source, "train", batch_size=1, num_workers=2, seed=seed, cache_dir=cache,
+                                cache_limit=limit, storage_options=storage_options(endpoint), **SMALL)
+    keys = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        keys.append(sorted(k for b in loader for k in b["keys"]))
+    out.put(keys)
+
+
+def _watch(directory: pathlib.Path, stop: threading.Event, peaks: dict[str, int]) -> None:
+    """The largest bytes seen in `directory`: of shards and downloads, and of every file (by inode: a
+    download renamed into place while the listing is read shows under both names)."""
+    while not stop.is_set():
+        shards, every = {}, {}
+        for entry in os.scandir(directory):
+            with contextlib.suppress(FileNotFoundError):
+                stat = entry.stat()
+                every[stat.st_ino] = stat.st_size
+                if entry.name.endswith(".tar") or ".tar.partial-" in entry.name:
+                    shards[stat.st_ino] = stat.st_size
+        peaks["shards"] = max(peaks["shards"], sum(shards.values()))
+        peaks["all"] = max(peaks["all"], sum(every.values()))
+
+
+def test_two_processes_sharing_a_cache_stay_within_its_limit(sa1b_src, server, tmp_path):
+    bucket = _bucket(server)
+    pack(Sa1bSource(), [str(sa1b_src)], f"{tmp_path}/one", PackOptions(shard_samples=1), progress=False)
+    s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True).put(
+        f"{tmp_path}/one/", f"{bucket}/one/", recursive=True)
+    shards = Manifest.from_json((tmp_path / "one" / "manifest.json").read_bytes(), "m").splits["train"]
+    limit = 3 * max(s.bytes for s in shards)  # room for 3 of the 14 shards; 2 processes x 2 workers download
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    peaks, stop = {"shards": 0, "all": 0}, threading.Event()
+    watcher = threading.Thread(target=_watch, args=(cache, stop, peaks), daemon=True)
+    watcher.start()
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    children = [context.Process(target=_cached_epochs, args=(f"s3://{bucket}/one", server.endpoint, str(cache), limit,
+                                                             seed, out)) for seed in (1, 2)]
+    for child in children:
+        child.start()
+    results = [out.get(timeout=300) for _ in children]
+    for child in children:
+        child.join(timeout=60)
+    stop.set()
+    watcher.join()
+    every = sorted(k for s in shards for k in s.keys)
+    assert all(epoch == every for keys in results for epoch in keys), "every sample, cached or by range"
+    assert peaks["shards"] <= limit, f"shards and downloads peaked at {peaks['shards']} bytes, over the {limit} limit"
+    assert peaks["all"] <= limit + 100 * len(shards), peaks  # (+ the .ok stamps)
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith((".tar", ".tar.ok"))) == [], "no lock or download left"
