@@ -42,7 +42,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "FORMAT",
     "MANIFEST_NAME",
-    "KIND_MEMBERS",
+    "KIND_NAMES",
     "SA1B_JPG",
     "SA1B_ANN",
     "SA1B_RECORD_FIELDS",
@@ -92,11 +92,7 @@ VQA_RECORD = "msgpack"
 # Embeddings: a block of rows, its column table then the columns' bytes.
 EMB_TABLE = "msgpack"
 EMB_DATA = "bin"
-KIND_MEMBERS: dict[str, tuple[str, ...]] = {
-    "sa1b": (SA1B_JPG, SA1B_ANN),
-    "vqa": (*VQA_IMAGE_EXTS.values(), VQA_RECORD),  # exactly one of the image extensions
-    "embeddings": (EMB_TABLE, EMB_DATA),
-}
+KIND_NAMES = ("sa1b", "vqa", "embeddings")  # the kinds a manifest may name (pipeline.kinds.KINDS holds their code)
 
 # The SA-1B annotation record (msgpack map). Geometry is in the original image frame
 # (`image.width` x `image.height`), whatever size the stored JPEG has (`stored_size`).
@@ -554,8 +550,8 @@ class Manifest:
         version = obj.get("schema_version")
         if version not in _READABLE_VERSIONS:
             raise ManifestError(url, f"schema version {version!r}; this version reads {list(_READABLE_VERSIONS)}")
-        if obj.get("kind") not in KIND_MEMBERS:
-            raise ManifestError(url, f"unknown kind {obj.get('kind')!r}; known: {sorted(KIND_MEMBERS)}")
+        if obj.get("kind") not in KIND_NAMES:
+            raise ManifestError(url, f"unknown kind {obj.get('kind')!r}; known: {sorted(KIND_NAMES)}")
         try:
             if version == SCHEMA_VERSION:
                 splits = {name: Split.from_json(split, url, name) for name, split in obj["splits"].items()}

@@ -33,7 +33,7 @@ from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import fit
 
 __all__ = [
-    "VqaOptions", "VqaSample", "BATCH_FIELDS", "TRL_RESERVED", "units", "open_sample", "decode_sample", "collate",
+    "VqaOptions", "VqaSample", "BATCH_FIELDS", "units", "open_sample", "decode_sample", "collate",
     "finish", "unbatch", "check_batch",
 ]
 
@@ -43,8 +43,6 @@ FORMS = ("batch", "trl")
 BATCH_FIELDS = {"images": torch.uint8, "image_sizes": torch.int64, "original_sizes": torch.int64}
 _COUNT = {"question": "question_index", "image": "question_counts"}  # the per-sample integer column, per `per`
 LIST_FIELDS = ("keys", "paths", "questions", "answers", "fields")
-# Names the TRL form sets itself: an original field of the same name is replaced.
-TRL_RESERVED = ("prompt", "image", "question", "answer", "key", "image_path")
 _FORMATS = {ext: fmt for fmt, ext in VQA_IMAGE_EXTS.items()}
 
 
