@@ -57,6 +57,7 @@ __all__ = [
     "BFLOAT16",
     "COLUMN_DTYPES",
     "COLUMN_ALIGN",
+    "column_offsets",
     "storage_dtype",
     "pack_columns",
     "unpack_columns",
@@ -209,7 +210,9 @@ def storage_dtype(name: str) -> np.dtype:
 _STORAGE_DTYPES = {name: np.dtype("<u2" if name == BFLOAT16 else name).newbyteorder("<") for name in COLUMN_DTYPES}
 
 
-def _column_layout(columns: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], int]:
+def column_offsets(columns: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], int]:
+    """(offset of each column, end of the last) for (name, dtype, shape) columns laid out as a block's data
+    member is (the embeddings table comment above): what packing writes and what batches in transit use."""
     offsets, end = [], 0
     for _, dtype, shape in columns:
         start = -(-end // COLUMN_ALIGN) * COLUMN_ALIGN
@@ -228,7 +231,7 @@ def pack_columns(columns: Sequence[tuple[str, str, np.ndarray]]) -> tuple[bytes,
             raise ValueError(f"column {name!r}: want a name like a Python identifier and {n} rows, got {array.shape}")
         if array.dtype.newbyteorder("<") != storage_dtype(dtype):
             raise ValueError(f"column {name!r}: array of {array.dtype} given for dtype {dtype}")
-    offsets, end = _column_layout(layout)
+    offsets, end = column_offsets(layout)
     data = bytearray(end)
     for (_, dtype, array), offset in zip(columns, offsets):
         raw = np.ascontiguousarray(array, dtype=storage_dtype(dtype)).tobytes()
@@ -254,7 +257,7 @@ def unpack_columns(table: bytes, data: bytes) -> dict[str, tuple[str, np.ndarray
         given.append(column[3])
     if len({name for name, _, _ in layout}) != len(layout):
         raise ValueError("duplicate column names")
-    offsets, end = _column_layout(layout)
+    offsets, end = column_offsets(layout)
     if given != offsets or len(data) != end:
         raise ValueError(f"column offsets {given} and {len(data)} data bytes, expected {offsets} and {end}")
     return {
