@@ -18,14 +18,14 @@ from __future__ import annotations
 import contextlib
 import random
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-__all__ = ["empty", "pack_bits", "unpack_bits", "rows", "Leases", "LEASE_SLOTS"]
+__all__ = ["empty", "padded_images", "pack_bits", "unpack_bits", "rows", "Leases", "LEASE_SLOTS"]
 
 _BITS = (128, 64, 32, 16, 8, 4, 2, 1)
 LEASE_SLOTS = 16  # buffers a worker keeps for reuse: enough for the batches in flight and one held by the user
@@ -175,6 +175,18 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype).share_memory_()
     nbytes = int(np.prod(shape)) * dtype.itemsize
     return _pool.take(nbytes)[:nbytes].view(dtype).view(shape)
+
+
+def padded_images(images: Sequence[torch.Tensor], height: int, width: int) -> torch.Tensor:
+    """(B, 3, height, width) uint8 from (3, h, w) RGB images, each at the top left and zero-padded (only the
+    padding is written besides the image: `empty` may hand back a recycled buffer)."""
+    out = empty((len(images), 3, height, width), torch.uint8)
+    for i, image in enumerate(images):
+        _, h, w = image.shape
+        out[i, :, :h, :w] = image
+        out[i, :, h:] = 0
+        out[i, :, :h, w:] = 0
+    return out
 
 
 def pack_bits(masks: np.ndarray) -> np.ndarray:

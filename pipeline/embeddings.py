@@ -23,7 +23,7 @@ import torch
 from pipeline.collate import empty
 from pipeline.errors import ManifestError, SampleError
 from pipeline.format import (
-    BFLOAT16, COLUMN_ALIGN, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, storage_dtype,
+    BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, column_offsets, storage_dtype,
     unpack_columns,
 )
 
@@ -301,15 +301,6 @@ def decode(block: Block, options: EmbeddingsOptions, *, unit: np.ndarray, seed: 
     return _Rows(block, unit, epoch)
 
 
-def _offsets(layout: Sequence[tuple[str, str, tuple[int, ...]]], batch: int) -> tuple[list[int], int]:
-    offsets, end = [], 0
-    for _, dtype, shape in layout:
-        start = -(-end // COLUMN_ALIGN) * COLUMN_ALIGN
-        offsets.append(start)
-        end = start + batch * math.prod(shape) * storage_dtype(dtype).itemsize
-    return offsets, end
-
-
 def collate(pieces: Sequence[_Rows], options: EmbeddingsOptions) -> dict[str, Any]:
     """The batch in transit: one shared-memory byte buffer holding every field, and its layout.
 
@@ -317,7 +308,7 @@ def collate(pieces: Sequence[_Rows], options: EmbeddingsOptions) -> dict[str, An
     batch: a batch holds its rows grouped by block (~2x faster than scattering them to plan order)."""
     b, epoch = sum(len(p.units) for p in pieces), pieces[0].epoch
     layout = options.layout(epoch)
-    offsets, total = _offsets(layout, b)
+    offsets, total = column_offsets([(name, dtype, (b, *shape)) for name, dtype, shape in layout])
     flat = empty((total,), torch.uint8)
     array = flat.numpy()
     ends = np.cumsum([len(p.units) for p in pieces]).tolist()

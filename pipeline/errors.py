@@ -6,18 +6,22 @@ DataLoader worker reaches the training process with its type and attributes inta
 
 from __future__ import annotations
 
-__all__ = ["ShardstreamError", "ManifestError", "ShardError", "ShardIndexError", "SampleError", "InputError", "RowError"]
+__all__ = [
+    "ShardstreamError", "ManifestError", "ShardError", "ShardIndexError", "SampleError", "InputError", "RowError",
+    "PackError", "TooManySkipped", "PlanError", "RLEError",
+]
 
 
 class ShardstreamError(Exception):
-    """Base class of every error this project raises on purpose: a message about one URL."""
+    """Base class of every error this project raises on purpose: a message about one URL (None where it is
+    about no one file: a split that cannot be planned, one mask of a sample)."""
 
-    def __init__(self, url: str, message: str) -> None:
+    def __init__(self, url: str | None, message: str) -> None:
         super().__init__(url, message)
         self.url, self.message = url, message
 
     def __str__(self) -> str:
-        return f"{self.url}: {self.message}"
+        return self.message if self.url is None else f"{self.url}: {self.message}"
 
 
 class ManifestError(ShardstreamError):
@@ -58,3 +62,40 @@ class RowError(InputError):
 
     def __str__(self) -> str:
         return f"{self.url}: field {self.field!r}, row {self.row}: value {self.value}: {self.message}"
+
+
+class PackError(ShardstreamError):
+    """Packing cannot proceed: the output folder holds something else, or the input cannot be listed.
+
+    Its message names the folder or file itself, so it takes no URL (the message is as it always was)."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+        self.url, self.message = None, message
+
+
+class TooManySkipped(PackError):
+    """More input samples were bad than `max_skipped` allows; no manifest was written."""
+
+
+class PlanError(ShardstreamError, ValueError):
+    """The split cannot be divided as asked (e.g. fewer samples than ranks).
+
+    Also a ValueError, as it was before it joined this hierarchy: callers that catch ValueError still do."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+        self.url, self.message = None, message
+
+
+class RLEError(ShardstreamError, ValueError):
+    """An RLE string is malformed or does not describe a mask of the stated size; `index` is the mask's.
+
+    A ValueError too, as it was; readers turn it into a SampleError that names the shard and sample."""
+
+    def __init__(self, index: int, message: str) -> None:
+        Exception.__init__(self, index, message)
+        self.url, self.index, self.message = None, index, message
+
+    def __str__(self) -> str:
+        return f"mask {self.index}: {self.message}"

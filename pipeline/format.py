@@ -42,7 +42,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "FORMAT",
     "MANIFEST_NAME",
-    "KIND_MEMBERS",
+    "KIND_NAMES",
     "SA1B_JPG",
     "SA1B_ANN",
     "SA1B_RECORD_FIELDS",
@@ -57,6 +57,7 @@ __all__ = [
     "BFLOAT16",
     "COLUMN_DTYPES",
     "COLUMN_ALIGN",
+    "column_offsets",
     "storage_dtype",
     "pack_columns",
     "unpack_columns",
@@ -92,11 +93,7 @@ VQA_RECORD = "msgpack"
 # Embeddings: a block of rows, its column table then the columns' bytes.
 EMB_TABLE = "msgpack"
 EMB_DATA = "bin"
-KIND_MEMBERS: dict[str, tuple[str, ...]] = {
-    "sa1b": (SA1B_JPG, SA1B_ANN),
-    "vqa": (*VQA_IMAGE_EXTS.values(), VQA_RECORD),  # exactly one of the image extensions
-    "embeddings": (EMB_TABLE, EMB_DATA),
-}
+KIND_NAMES = ("sa1b", "vqa", "embeddings")  # the kinds a manifest may name (pipeline.kinds.KINDS holds their code)
 
 # The SA-1B annotation record (msgpack map). Geometry is in the original image frame
 # (`image.width` x `image.height`), whatever size the stored JPEG has (`stored_size`).
@@ -213,7 +210,9 @@ def storage_dtype(name: str) -> np.dtype:
 _STORAGE_DTYPES = {name: np.dtype("<u2" if name == BFLOAT16 else name).newbyteorder("<") for name in COLUMN_DTYPES}
 
 
-def _column_layout(columns: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], int]:
+def column_offsets(columns: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], int]:
+    """(offset of each column, end of the last) for (name, dtype, shape) columns laid out as a block's data
+    member is (the embeddings table comment above): what packing writes and what batches in transit use."""
     offsets, end = [], 0
     for _, dtype, shape in columns:
         start = -(-end // COLUMN_ALIGN) * COLUMN_ALIGN
@@ -232,7 +231,7 @@ def pack_columns(columns: Sequence[tuple[str, str, np.ndarray]]) -> tuple[bytes,
             raise ValueError(f"column {name!r}: want a name like a Python identifier and {n} rows, got {array.shape}")
         if array.dtype.newbyteorder("<") != storage_dtype(dtype):
             raise ValueError(f"column {name!r}: array of {array.dtype} given for dtype {dtype}")
-    offsets, end = _column_layout(layout)
+    offsets, end = column_offsets(layout)
     data = bytearray(end)
     for (_, dtype, array), offset in zip(columns, offsets):
         raw = np.ascontiguousarray(array, dtype=storage_dtype(dtype)).tobytes()
@@ -258,7 +257,7 @@ def unpack_columns(table: bytes, data: bytes) -> dict[str, tuple[str, np.ndarray
         given.append(column[3])
     if len({name for name, _, _ in layout}) != len(layout):
         raise ValueError("duplicate column names")
-    offsets, end = _column_layout(layout)
+    offsets, end = column_offsets(layout)
     if given != offsets or len(data) != end:
         raise ValueError(f"column offsets {given} and {len(data)} data bytes, expected {offsets} and {end}")
     return {
@@ -554,8 +553,8 @@ class Manifest:
         version = obj.get("schema_version")
         if version not in _READABLE_VERSIONS:
             raise ManifestError(url, f"schema version {version!r}; this version reads {list(_READABLE_VERSIONS)}")
-        if obj.get("kind") not in KIND_MEMBERS:
-            raise ManifestError(url, f"unknown kind {obj.get('kind')!r}; known: {sorted(KIND_MEMBERS)}")
+        if obj.get("kind") not in KIND_NAMES:
+            raise ManifestError(url, f"unknown kind {obj.get('kind')!r}; known: {sorted(KIND_NAMES)}")
         try:
             if version == SCHEMA_VERSION:
                 splits = {name: Split.from_json(split, url, name) for name, split in obj["splits"].items()}

@@ -37,6 +37,8 @@ from typing import Any, overload
 
 import numpy as np
 
+from pipeline.errors import PlanError
+
 __all__ = [
     "World", "Resume", "Mix", "PlanError", "rank_batch_sizes", "rank_batch_count", "rank_sample_count",
     "rank_positions", "epoch_order", "epoch_samples", "mixed_order", "plan_epoch",
@@ -49,10 +51,6 @@ _CHUNK = 8192  # positions a lazy plan computes at once
 _HYPERGEOMETRIC_LIMIT = 10**9  # numpy's bound on each of ngood and nbad
 
 Item = tuple[int, np.ndarray, np.ndarray]
-
-
-class PlanError(ValueError):
-    """The split cannot be divided as asked (e.g. fewer samples than ranks)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,17 +14,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeline.errors import RLEError
+
 __all__ = ["RLEError", "fit", "nearest_index", "run_lengths", "check", "raster"]
 
 _MAX_CHARS_PER_VALUE = 12  # 60 bits: more would overflow int64, and no valid mask needs it
-
-
-class RLEError(ValueError):
-    """An RLE string is malformed or does not describe a mask of the stated size."""
-
-    def __init__(self, index: int, message: str) -> None:
-        super().__init__(f"mask {index}: {message}")
-        self.index = index
 
 
 def fit(height: int, width: int, size: int) -> tuple[int, int]:

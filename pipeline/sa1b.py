@@ -17,7 +17,7 @@ import msgpack.exceptions
 import numpy as np
 import torch
 
-from pipeline.collate import empty, pack_bits, unpack_bits
+from pipeline.collate import empty, pack_bits, padded_images, unpack_bits
 from pipeline.errors import SampleError
 from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_RECORD_FIELDS, decode_array, unpack_record
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
@@ -165,16 +165,12 @@ def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str
     per-mask columns stacked and padded with zeros to the largest mask count of the batch."""
     b, s, m = len(samples), options.image_size, options.mask_frame
     n = max(len(x["masks"]) for x in samples)
-    images = empty((b, 3, s, s), torch.uint8)
+    images = padded_images([x["image"] for x in samples], s, s)
     masks = empty((b, n, m, -(-m // 8)), torch.uint8).zero_()
     columns = torch.zeros(b, n, sum(width for _, width in _MASK_COLUMNS))
     info = torch.tensor([[len(x["masks"]), x["image_id"], *x["original_size"], *x["image_size"]] for x in samples],
                         dtype=torch.int64)
     for i, x in enumerate(samples):
-        _, h, w = x["image"].shape
-        images[i, :, :h, :w] = x["image"]
-        images[i, :, h:] = 0
-        images[i, :, :h, w:] = 0
         packed = pack_bits(x["masks"])
         c, mh, mb = packed.shape
         masks[i, :c, :mh, :mb] = torch.from_numpy(packed)

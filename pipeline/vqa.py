@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.collate import empty, rows
+from pipeline.collate import padded_images, rows
 from pipeline.errors import SampleError
 from pipeline.format import (
     VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, unpack_record,
@@ -33,7 +33,7 @@ from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import fit
 
 __all__ = [
-    "VqaOptions", "VqaSample", "BATCH_FIELDS", "TRL_RESERVED", "units", "open_sample", "decode_sample", "collate",
+    "VqaOptions", "VqaSample", "BATCH_FIELDS", "units", "open_sample", "decode_sample", "collate",
     "finish", "unbatch", "check_batch",
 ]
 
@@ -43,8 +43,6 @@ FORMS = ("batch", "trl")
 BATCH_FIELDS = {"images": torch.uint8, "image_sizes": torch.int64, "original_sizes": torch.int64}
 _COUNT = {"question": "question_index", "image": "question_counts"}  # the per-sample integer column, per `per`
 LIST_FIELDS = ("keys", "paths", "questions", "answers", "fields")
-# Names the TRL form sets itself: an original field of the same name is replaced.
-TRL_RESERVED = ("prompt", "image", "question", "answer", "key", "image_path")
 _FORMATS = {ext: fmt for fmt, ext in VQA_IMAGE_EXTS.items()}
 
 
@@ -176,17 +174,11 @@ def collate(samples: Sequence[dict[str, Any]], options: VqaOptions) -> dict[str,
     stacked into one tensor, strings and records as lists. In the TRL form, a list of the samples' dicts."""
     if options.form == "trl":
         return [_trl(x) for x in samples]
-    b = len(samples)
     if options.image_size is not None:
         height = width = options.image_size
     else:
         height, width = (max(x["image_size"][i] for x in samples) for i in (0, 1))
-    images = empty((b, 3, height, width), torch.uint8)
-    for i, x in enumerate(samples):
-        _, h, w = x["image"].shape
-        images[i, :, :h, :w] = x["image"]
-        images[i, :, h:] = 0
-        images[i, :, :h, w:] = 0
+    images = padded_images([x["image"] for x in samples], height, width)
     info = torch.tensor([[*x["image_size"], *x["original_size"], x["count"]] for x in samples], dtype=torch.int64)
     one = options.per == "question"
     return {

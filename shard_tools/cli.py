@@ -20,7 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pipeline.errors import InputError, ShardstreamError
 from pipeline.storage import read_manifest
 from shard_tools.embeddings import SCHEMA_NAME, pack_embeddings
-from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits
+from shard_tools.pack import PackOptions, TooManySkipped, pack, parse_splits
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.verify import describe, upgrade, verify
 from shard_tools.vqa import LAYOUTS, VqaSource, pack_vqa
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TooManySkipped, InputError) as exc:
         log.error("shard-pack: %s", exc)
         return 1
-    except (PackError, ShardstreamError, ValueError, FileNotFoundError) as exc:
+    except (ShardstreamError, ValueError, FileNotFoundError) as exc:  # PackError among them
         log.error("shard-pack: %s", exc)
         return 2
     except (OSError, BrokenProcessPool) as exc:

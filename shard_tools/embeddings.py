@@ -1,8 +1,8 @@
 """Embeddings on the packing side: a folder of row-aligned arrays -> blocks of rows.
 
 `EmbeddingsSource.load(DIR)` reads the schema (`DIR/schema.json` by default), opens every array
-without copying it (`.npy` memory-mapped with `allow_pickle=False`; `.safetensors` parsed here:
-an 8-byte little-endian header length, a JSON header, raw data; BF16 included) and checks
+without copying it (`.npy` memory-mapped with `allow_pickle=False`; `.safetensors` memory-mapped by
+the safetensors library, the `embeddings` extra; BF16 included) and checks
 everything before a shard is written: lengths agree, floats are finite, declared ranges and
 references hold, splits are disjoint row indices. Pickle-based files (`.pt`, `.pth`, ...) are
 refused. A block is `rows_per_block` consecutive rows of a split (in row order), written as one
@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from pipeline.embeddings import Field, value_problem
 from pipeline.errors import InputError, RowError
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 SCHEMA_NAME = "schema.json"
 BLOCK_BYTES = 4 << 20  # the default block: the most rows, a power of two, within this many bytes
 MAX_BLOCK_ROWS = 1 << 16
-MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own cap
 _CHECK_BYTES = 64 << 20  # values are checked this much at a time
 _SCHEMA_KEYS = {"fields", "splits"}
 _FIELD_KEYS = {"file", "tensor", "range", "index_into"}
@@ -57,6 +57,7 @@ _SAFETENSORS_DTYPES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
     "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": BFLOAT16, "F32": "float32", "F64": "float64",
 }
+_EXTRA_HELP = "pip install 'shardstream[embeddings]'"
 _PICKLED = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin", ".joblib")
 _PICKLE_HELP = ("loading it would run pickle, which can execute arbitrary code, so shard-pack never does. Save "
                 "the tensor as .safetensors (safetensors.torch.save_file({'name': tensor}, 'x.safetensors'); keeps "
@@ -66,41 +67,33 @@ _PICKLE_HELP = ("loading it would run pickle, which can execute arbitrary code, 
 # -- arrays --------------------------------------------------------------------------------------
 
 def _safetensors(path: str, tensor: str | None, url: str) -> tuple[np.ndarray, str]:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 2 <= length <= min(MAX_SAFETENSORS_HEADER, size - 8):
-            raise InputError(url, f"not a safetensors file: header length {length} for a file of {size} bytes")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as exc:
-            raise InputError(url, f"not a safetensors file: the header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise InputError(url, "not a safetensors file: the header is not a JSON object")
-    header.pop("__metadata__", None)
-    if tensor is None:
-        if len(header) != 1:
-            raise InputError(url, f"holds tensors {sorted(header)}: name one with \"tensor\" in the schema")
-        (tensor,) = header
-    entry = header.get(tensor)
-    if entry is None:
-        raise InputError(url, f"no tensor {tensor!r}; the file holds {sorted(header)}")
-    data_size = size - 8 - length
+    """The tensor, memory-mapped by the safetensors library (which checks the header: JSON, dtypes,
+    offsets covering the data exactly) and viewed as numpy without a copy."""
     try:
-        ok = set(entry) == {"dtype", "shape", "data_offsets"} and entry["dtype"] in _SAFETENSORS_DTYPES
-        dtype = _SAFETENSORS_DTYPES[entry["dtype"]] if ok else ""
-        shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
-        ok = ok and all(type(d) is int and d >= 0 for d in shape) and type(begin) is int and type(end) is int \
-            and 0 <= begin <= end <= data_size and end - begin == math.prod(shape) * storage_dtype(dtype).itemsize
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise InputError(url, f"tensor {tensor!r}: invalid header entry {entry!r}"[:300]) from exc
-    if not ok:
-        raise InputError(url, f"tensor {tensor!r}: invalid or unsupported header entry {entry!r} (dtypes: "
-                         f"{sorted(_SAFETENSORS_DTYPES)})"[:400])
-    if end == begin:
-        return np.zeros(shape, storage_dtype(dtype)), dtype
-    return np.memmap(path, storage_dtype(dtype), "r", offset=8 + length + begin, shape=shape), dtype
+        from safetensors import SafetensorError, safe_open
+    except ImportError as exc:
+        raise InputError(url, f"reading .safetensors needs the safetensors package: {_EXTRA_HELP}") from exc
+    try:
+        with safe_open(path, framework="pt") as f:
+            names = sorted(f.keys())
+            if tensor is None:
+                if len(names) != 1:
+                    raise InputError(url, f"holds tensors {names}: name one with \"tensor\" in the schema")
+                (tensor,) = names
+            if tensor not in names:
+                raise InputError(url, f"no tensor {tensor!r}; the file holds {names}")
+            stored = f.get_slice(tensor).get_dtype()
+            if stored not in _SAFETENSORS_DTYPES:
+                raise InputError(url, f"tensor {tensor!r}: dtype {stored} is not supported (dtypes: "
+                                 f"{sorted(_SAFETENSORS_DTYPES)})")
+            values = f.get_tensor(tensor)  # mapped: no byte is read until used
+    except (SafetensorError, OSError) as exc:
+        which = f" (reading tensor {tensor!r})" if tensor is not None else ""
+        raise InputError(url, f"not a safetensors file{which}: {exc}"[:400]) from exc
+    dtype = _SAFETENSORS_DTYPES[stored]
+    array = values.reshape(-1).view(torch.uint8).numpy().view(storage_dtype(dtype)).reshape(tuple(values.shape))
+    array.flags.writeable = False  # as a read-only memory map
+    return array, dtype
 
 
 def _npy(path: str, url: str) -> tuple[np.ndarray, str]:

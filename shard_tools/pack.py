@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from pipeline.errors import SampleError
+from pipeline.errors import PackError, SampleError, TooManySkipped
 from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name, shard_name
 from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import ShardWriter
@@ -46,14 +46,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 STATE_DIR = "_pack"
-
-
-class PackError(Exception):
-    """Packing cannot proceed: the output folder holds something else, or the input cannot be listed."""
-
-
-class TooManySkipped(PackError):
-    """More input samples were bad than `max_skipped` allows; no manifest was written."""
 
 
 @dataclasses.dataclass(frozen=True)

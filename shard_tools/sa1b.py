@@ -25,6 +25,7 @@ from pipeline.format import SA1B_ANN, SA1B_JPG, check_key, encode_array, pack_re
 from pipeline.rle import RLEError, check, fit
 from pipeline.sa1b import MAX_IMAGE_PIXELS
 from pipeline.storage import filesystem
+from shard_tools.images import load_whole, resize_image
 from shard_tools.pack import Part, SampleRef
 
 __all__ = ["Sa1bSource"]
@@ -133,7 +134,7 @@ class Sa1bSource:
         stored = _check_jpeg(jpg, (height, width), where, ref.key)
         if self.image_max_side and max(height, width) > self.image_max_side:
             stored = fit(height, width, self.image_max_side)
-            jpg = _resize_jpeg(jpg, stored, self.jpeg_quality)
+            jpg = resize_image(jpg, "JPEG", stored, self.jpeg_quality, rgb=True)  # (RGB: see resize_image)
         record["stored_size"] = list(stored)
         return [(SA1B_JPG, jpg), (SA1B_ANN, pack_record(record))], {"masks": len(record["counts"])}
 
@@ -216,17 +217,7 @@ def _check_jpeg(data: bytes, size: tuple[int, int], where: str, key: str) -> tup
         with Image.open(io.BytesIO(data), formats=["JPEG"]) as image:
             if (image.height, image.width) != size:
                 raise SampleError(where, key, "jpg", f"JPEG is {image.height}x{image.width}, the JSON says {size[0]}x{size[1]}")
-            image.draft(image.mode, (image.width // 8, image.height // 8))  # a full pass over the data, cheaply
-            image.load()
+            load_whole(image, jpeg=True)
     except (OSError, SyntaxError, ValueError) as exc:
         raise SampleError(where, key, "jpg", f"truncated or corrupt JPEG: {exc}") from exc
     return size
-
-
-def _resize_jpeg(data: bytes, size: tuple[int, int], quality: int) -> bytes:
-    with Image.open(io.BytesIO(data)) as image:
-        image.draft("RGB", (size[1], size[0]))
-        small = image.convert("RGB").resize((size[1], size[0]), Image.Resampling.LANCZOS)
-    out = io.BytesIO()
-    small.save(out, format="JPEG", quality=quality)
-    return out.getvalue()

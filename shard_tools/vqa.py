@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
-import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from pipeline.errors import SampleError
@@ -38,6 +37,7 @@ from pipeline.format import VQA_IMAGE_EXTS, VQA_RECORD, check_key, pack_record
 from pipeline.images import MAX_IMAGE_PIXELS
 from pipeline.rle import fit
 from pipeline.storage import filesystem
+from shard_tools.images import load_whole, resize_image
 from shard_tools.pack import PackError, PackOptions, PackSummary, Part, SampleRef, pack
 
 __all__ = ["LAYOUTS", "VqaRef", "VqaSource", "detect_layout", "image_key", "pack_vqa"]
@@ -354,7 +354,7 @@ class VqaSource:
         stored = (height, width)
         if self.image_max_side and max(height, width) > self.image_max_side:
             stored = fit(height, width, self.image_max_side)
-            data_out = _resize(data, fmt, stored, self.jpeg_quality)
+            data_out = resize_image(data, fmt, stored, self.jpeg_quality)
         else:
             data_out = data
         record = {
@@ -379,34 +379,13 @@ def _check_image(data: bytes, where: str, key: str, lost: str) -> tuple[str, str
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise SampleError(where, key, "image", f"{image.width}x{image.height} pixels exceed the cap "
                                   f"{MAX_IMAGE_PIXELS}; {lost}")
-            if fmt == "JPEG":
-                image.draft(image.mode, (image.width // 8, image.height // 8))  # a full pass over the data, cheaply
-            image.load()
+            load_whole(image, jpeg=fmt == "JPEG")
     except UnidentifiedImageError as exc:
         raise SampleError(where, key, "image", f"not a JPEG or PNG image; {lost}") from exc
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise SampleError(where, key, "image", f"truncated or corrupt image: {exc}; {lost}") from exc
     assert fmt in VQA_IMAGE_EXTS
     return fmt, mode, size
-
-
-def _resize(data: bytes, fmt: str, size: tuple[int, int], quality: int) -> bytes:
-    """The image re-encoded at `size` (h, w): JPEG at `quality` (grayscale stays grayscale), PNG
-    losslessly in 8 bits (16-bit samples scaled, palettes expanded)."""
-    with Image.open(io.BytesIO(data)) as image:
-        if fmt == "JPEG":
-            image.draft(image.mode, (size[1], size[0]))
-        if image.mode in ("I;16", "I;16L", "I;16B", "I"):
-            image = Image.fromarray((np.clip(np.asarray(image, dtype=np.int64), 0, 65535) >> 8).astype(np.uint8))
-        elif image.mode not in ("L", "RGB") + (("LA", "RGBA") if fmt == "PNG" else ()):
-            image = image.convert("RGBA" if fmt == "PNG" and "transparency" in image.info else "RGB")
-        small = image.resize((size[1], size[0]), Image.Resampling.LANCZOS)
-    out = io.BytesIO()
-    if fmt == "JPEG":
-        small.save(out, format="JPEG", quality=quality)
-    else:
-        small.save(out, format="PNG")
-    return out.getvalue()
 
 
 def pack_vqa(source: VqaSource, out: str, options: PackOptions | None = None, *, progress: bool = True,

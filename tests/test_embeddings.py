@@ -8,6 +8,7 @@ import os
 import pathlib
 import pickle
 import shutil
+import sys
 import tarfile
 
 import numpy as np
@@ -233,6 +234,20 @@ def test_blocks_are_typed_columns_that_stock_tar_readers_see(emb_dataset):
 
 
 # -- bad input: named errors, nothing written -------------------------------------------------------
+
+def test_a_truncated_safetensors_file_is_named_with_its_tensor(tmp_path):
+    def change(src, arrays, schema):
+        data = (src / "emb.safetensors").read_bytes()
+        (src / "emb.safetensors").write_bytes(data[:-10])
+    message = str(_refused(tmp_path, change).value)
+    assert message.startswith("emb.safetensors: not a safetensors file (reading tensor 'steering')")
+
+
+def test_safetensors_without_its_extra_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed: importing it fails
+    message = str(_refused(tmp_path, lambda src, arrays, schema: None).value)
+    assert "emb.safetensors" in message and "shardstream[embeddings]" in message
+
 
 def _refused(tmp_path, change, error=InputError) -> pytest.ExceptionInfo:
     """Build a fresh source, apply `change(folder, arrays, schema)`, and check packing refuses it

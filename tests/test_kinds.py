@@ -1,0 +1,60 @@
+"""pipeline.kinds as a module: every registered kind has the Kind fields, and its options validate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.format import KIND_NAMES
+from pipeline.kinds import KINDS, Kind
+from pipeline.storage import read_manifest
+from pipeline.tario import ReadLimits
+from shard_tools.embeddings import pack_embeddings
+
+CALLABLES = [f.name for f in dataclasses.fields(Kind) if f.name != "grouped"]
+
+
+def test_the_registry_is_the_formats_kinds():
+    assert set(KINDS) == set(KIND_NAMES)
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_every_kind_has_the_kind_fields(name):
+    kind = KINDS[name]
+    assert isinstance(kind, Kind) and isinstance(kind.grouped, bool)
+    for field in CALLABLES:
+        assert callable(getattr(kind, field)), f"{name}.{field}"
+
+
+@pytest.fixture(scope="module")
+def embeddings_manifest(tmp_path_factory):
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("emb") / "out"
+    np.save(src / "x.npy", np.arange(32, dtype=np.float32).reshape(8, 4))
+    (src / "schema.json").write_text(json.dumps({"fields": {"x": {"file": "x.npy"}}}))
+    pack_embeddings(str(src), str(out), progress=False)
+    return read_manifest(str(out))
+
+
+@pytest.mark.parametrize(("name", "good", "bad", "message"), [
+    ("sa1b", {"image_size": 64, "mask_size": None}, {"image_size": 0}, "image_size must be a positive int"),
+    ("sa1b", {"max_masks": 3}, {"max_masks": -1}, "max_masks must be an int >= 0"),
+    ("vqa", {"per": "image", "image_size": None}, {"per": "turn"}, "per must be one of"),
+    ("vqa", {"form": "trl"}, {"form": "trl", "per": "image"}, "per must be 'question'"),
+    ("embeddings", {"fields": ["x"]}, {"fields": ["nope"]}, "nope"),
+])
+def test_options_of_each_kind_validate(name, good, bad, message, embeddings_manifest):
+    kind = KINDS[name]
+    manifests = [embeddings_manifest] if name == "embeddings" else []
+    options = kind.options(manifests, ReadLimits(), **good)
+    assert isinstance(kind.units(options), bool)
+    with pytest.raises(ValueError, match=message):
+        kind.options(manifests, ReadLimits(), **bad)
+
+
+def test_verify_options_read_everything(embeddings_manifest):
+    assert KINDS["embeddings"].verify_options(embeddings_manifest).check_values
+    for name in ("sa1b", "vqa"):
+        assert KINDS[name].verify_options(embeddings_manifest) is not None
