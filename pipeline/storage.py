@@ -391,7 +391,8 @@ class ShardCache:
                 digest = sha256_file(partial)
                 if digest != sha256:
                     raise ShardError(url, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
-                os.replace(partial, path)  # (the reserved bytes become the shard's)
+                with self.locked():  # (one that makes room would miss it between its listing and its count)
+                    os.replace(partial, path)  # (the reserved bytes become the shard's)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(partial)
@@ -436,10 +437,15 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)  # a reader holding it open keeps reading it
 
+    def locked(self) -> contextlib.AbstractContextManager[None]:
+        """The cache's lock: while it is held, the shards and downloads in the directory do not
+        change, but for removals (reservations, evictions and downloads renamed into place take it)."""
+        return _locked(os.path.join(self.directory, ".cache.lock"))
+
     def _room(self, partial: str, size: int, url: str) -> int:
         """Reserve `size` bytes for a download to `partial` (see the class): its descriptor, locked
         until closed. Raises _CacheFull if the downloads in progress leave no room."""
-        with _locked(os.path.join(self.directory, ".cache.lock")):
+        with self.locked():
             entries, downloading = [], 0
             for name in os.listdir(self.directory):
                 where = os.path.join(self.directory, name)

@@ -291,7 +291,7 @@ def _start_and_kill(args: list[str], out: pathlib.Path, group: bool) -> set[int]
 @pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.path.isdir("/proc/self"), reason="Linux")
 def test_a_killed_pack_leaves_no_worker_running_and_its_rerun_is_byte_identical(tmp_path):
     src, out, reference = tmp_path / "src", tmp_path / "out", tmp_path / "reference"
-    write_sa1b(src, images=40, size=(160, 240), masks=(10, 30), layout="folder", seed=9)
+    write_sa1b(src, images=30, size=(160, 240), masks=(10, 30), layout="folder", seed=9)
     pack(Sa1bSource(), [str(src)], str(reference), PackOptions(shard_samples=1), progress=False)
     args = [str(src), str(out), "--shard-samples", "1", "--workers", "2"]
 
