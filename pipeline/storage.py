@@ -425,7 +425,8 @@ class ShardCache:
                 return data
             try:
                 os.pwrite(fd, data, 0)
-                os.replace(partial, path)
+                with self.locked():
+                    os.replace(partial, path)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(partial)
@@ -453,7 +454,7 @@ class ShardCache:
                     if name.endswith((".tar", ".idx", ".json")):
                         stat = os.stat(where)
                         entries.append((stat.st_atime_ns, name, stat.st_size))
-                    elif ".partial-" in name:
+                    elif any(f"{ext}.partial-" in name for ext in (".tar", ".idx", ".json")):  # (not .ok stamps')
                         downloading += self._live_download(where)
             held = downloading + sum(e[2] for e in entries)
             for _, name, bytes_ in sorted(entries):
