@@ -597,7 +597,7 @@ def _world(rank: int | None, world_size: int | None) -> World:
         if group_size % world_size or (world_size == group_size and rank != group_rank):
             raise ValueError(
                 f"rank={rank}, world_size={world_size} disagree with torch.distributed (rank {group_rank} of "
-                f"{group_size}): pass neither to use its, world_size=1 for every process to read the whole split, or "
+                f"{group_size}): pass neither to use torch.distributed's, world_size=1 for every process to read the whole split, or "
                 f"for data-parallel replicas a world_size dividing {group_size} with rank the replica's index")
     return world
 
@@ -642,8 +642,9 @@ def make_stream_loader(
     a function of (seed, epoch) only. `rank` and `world_size` go together; without them, they are
     torch.distributed's when it is initialised (given ones that disagree with it are refused, but
     for `world_size=1` and data-parallel replicas: see `_world`). `persistent_workers=None` keeps
-    workers alive across epochs when there are any. `limits` caps what an (untrusted) shard can make the reader do; with `on_error="skip"`,
-    `max_errors` (a count, or a fraction of the rank's samples) bounds the skips per epoch.
+    workers alive across epochs when there are any. `limits` caps what an (untrusted) shard can
+    make the reader do; with `on_error="skip"`, `max_errors` (a count, or a fraction of the
+    rank's samples) bounds the skips per epoch.
 
     `**options` are the kind's (the manifest says which kind): for SA-1B `image_size=1024`,
     `mask_size=256`, `max_masks=64` (an int, or a function of the epoch); for VQA

@@ -48,7 +48,9 @@ BATCH_FIELDS = {
 
 @dataclasses.dataclass(frozen=True)
 class Sa1bOptions:
-    """How SA-1B samples are decoded: image and mask frames (long side, pixels), masks per image."""
+    """How SA-1B samples are decoded: image and mask frames (long side, pixels), masks per image.
+    `mask_size` may exceed `image_size` (masks finer than the image): both frames come from the
+    original size, so they stay aligned."""
 
     image_size: int = 1024
     mask_size: int | None = 256
