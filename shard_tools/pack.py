@@ -383,33 +383,14 @@ def _summary(manifest: Manifest, reused: int, seconds: float) -> PackSummary:
 
 def _remove_debris(out: str) -> None:
     """What a run killed mid-way leaves besides its shards' temporary files (removed once a run
-    finishes): a manifest being written, and, when its whole process group was killed (the
-    multiprocessing resource tracker too), named semaphores in /dev/shm."""
+    finishes): a manifest being written. (The `sem.mp-*` semaphores a killed process group leaves
+    in /dev/shm are not removed: which of them belong to a dead run cannot be told safely, since a
+    live semaphore's creator maps it under a temporary name, and removing another job's breaks it.)"""
     fs, base = filesystem(out)
     if is_local(fs):
         for partial in glob.glob(glob.escape(join(base, MANIFEST_NAME)) + ".partial-*"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
-    _remove_stale_semaphores()
-
-
-def _remove_stale_semaphores(shm: str = "/dev/shm") -> None:
-    """Remove multiprocessing's named semaphores (`sem.mp-*`) of this user that no process has open
-    (a semaphore is mapped by every process that has it open). Linux; elsewhere nothing to do.
-    (A process in another PID namespace sharing /dev/shm is not seen: such sharing is rare.)"""
-    try:
-        names = {n for n in os.listdir(shm) if n.startswith("sem.mp-") and os.stat(join(shm, n)).st_uid == os.getuid()}
-    except OSError:
-        return
-    if not names or not os.path.isdir("/proc/self"):
-        return
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
-            names -= {line.split(f"{shm}/", 1)[1].split()[0] for line in maps if f"{shm}/sem.mp-" in line}
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(join(shm, name))
-            log.info("removed %s/%s, a semaphore left by a process killed with its resource tracker", shm, name)
 
 
 def _exit_with_parent(parent: int) -> None:
