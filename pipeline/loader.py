@@ -139,6 +139,7 @@ class _ShardStream(IterableDataset):
     def __init__(self, sources: list[_Source], mix: Mix | None, kind: str, options: Any, config: LoaderConfig,
                  rank: int, world_size: int, storage_options: dict[str, Any] | None) -> None:
         self.sources, self.mix = sources, mix
+        self.total = epoch_samples([s.sizes for s in sources], mix)  # items in an epoch, before the split over ranks
         self.kind_name = kind
         self.options, self.config = options, config
         self.rank, self.world_size = rank, world_size
@@ -184,14 +185,12 @@ class _ShardStream(IterableDataset):
     def rank_samples(self, history: tuple[Resume, ...]) -> int:
         """How many samples this rank yields after `history`."""
         c = self.config
-        total = epoch_samples([s.sizes for s in self.sources], self.mix)
-        return rank_sample_count(total, self.world_size, self.rank, c.batch_size, c.drop_last, history)
+        return rank_sample_count(self.total, self.world_size, self.rank, c.batch_size, c.drop_last, history)
 
     def batches(self) -> int:
         """How many batches this rank yields in the next iteration (all of the epoch, or the rest)."""
         c = self.config
-        total = epoch_samples([s.sizes for s in self.sources], self.mix)
-        return rank_batch_count(total, self.world_size, self.rank, c.batch_size, c.drop_last, self.history)
+        return rank_batch_count(self.total, self.world_size, self.rank, c.batch_size, c.drop_last, self.history)
 
     def __len__(self) -> int:
         """Items the next iteration yields on this rank: batches, or samples with `flatten` (fewer if some are skipped)."""
@@ -372,15 +371,15 @@ class _ShardStream(IterableDataset):
             sized[(number, shard)] = pool.submit(self._check_size, reader, number, shard, sample)
         inflight[where] = pool.submit(self._read, reader, where)
 
-    def _sample(self, reader: ShardReader, where: _Where) -> tuple[ShardInfo, ShardIndex, int]:
-        """(shard, its index, the sample's place in it)."""
+    def _sample(self, reader: ShardReader, where: _Where) -> tuple[int, ShardInfo, ShardIndex, int]:
+        """(shard number, the shard, its index, the sample's place in it)."""
         source = self.sources[where[0]]
         shard, at = source.where(where[1])
         info = source.split[shard]
-        return info, reader.index(info), at
+        return shard, info, reader.index(info), at
 
     def _check_size(self, reader: ShardReader, number: int, shard: int, sample: int) -> None:
-        info, index, at = self._sample(reader, (number, sample))
+        _, info, index, at = self._sample(reader, (number, sample))
         size = reader.size(info.name, index.key(at))
         if size != info.bytes:
             raise ShardError(join(self.sources[number].root, info.name), f"sample {index.key(at)!r}: shard is {size} "
@@ -388,7 +387,7 @@ class _ShardStream(IterableDataset):
 
     def _read(self, reader: ShardReader, where: _Where) -> bytes | memoryview:
         """One sample's bytes (in a reader thread)."""
-        info, index, at = self._sample(reader, where)
+        _, info, index, at = self._sample(reader, where)
         key, (start, end) = index.key(at), index.span(at)
         limits = self.config.limits
         if end - start > limits.max_sample_bytes:
@@ -407,12 +406,11 @@ class _ShardStream(IterableDataset):
             return sample, url, key
         number = where[0]
         source = self.sources[number]
-        info, index, at = self._sample(reader, where)
+        shard, info, index, at = self._sample(reader, where)
         url, key = join(source.root, info.name), index.key(at)
         if where not in inflight:  # (dropped from the open samples since its read was asked for)
             self._submit(pool, reader, where, sized, inflight)
         future = inflight.pop(where)
-        shard = source.where(where[1])[0]
         if (number, shard) in sized:
             sized[(number, shard)].result()
         data = future.result()
@@ -710,9 +708,8 @@ def make_stream_loader(
     stream = _ShardStream(sources, mix, manifests[0].kind, kind_options, config, world.rank, world.world_size,
                           storage_options)
     if stream.batches() == 0:
-        total = epoch_samples([s.sizes for s in sources], mix)
         raise ValueError(
-            f"{', '.join(roots)}: split {split!r} gives {total} samples per epoch, too few for one batch of "
+            f"{', '.join(roots)}: split {split!r} gives {stream.total} samples per epoch, too few for one batch of "
             f"{batch_size} on each of {world.world_size} ranks with drop_last=True"
         )
     if num_workers:
