@@ -26,6 +26,7 @@ files, and lists shards as columns. Versions 1 and 2 are still read, converted i
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -426,6 +427,11 @@ class IndexInfo:
     name: str
     bytes: int
     sha256: str
+
+    @classmethod
+    def of(cls, shard: str, data: bytes) -> IndexInfo:
+        """The manifest's entry for `data`, the index file of the packed shard named `shard`."""
+        return cls(index_name(shard), len(data), hashlib.sha256(data).hexdigest())
 
 
 @dataclasses.dataclass(frozen=True)

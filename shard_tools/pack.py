@@ -210,7 +210,7 @@ def _write_shard(source: Source, task: _Task, path: str) -> tuple[dict[str, Any]
         raise
     index = ShardIndex.build(writer.keys, units, writer.members).to_bytes(writer.size)
     shard = {"name": task.name, "samples": len(writer.keys), "units": sum(units), "bytes": writer.size, "sha256": sha,
-             "index": [index_name(task.name), len(index), hashlib.sha256(index).hexdigest()]}
+             "index": list(dataclasses.astuple(IndexInfo.of(task.name, index)))}
     return {"shard": shard, "skipped": skipped, "counts": counts, "split": task.split}, index
 
 

@@ -4,7 +4,6 @@ the project) linked under every shard name, so that 100M samples cost a few MB o
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
 import tempfile
@@ -40,7 +39,7 @@ def _real_shard(path: pathlib.Path, samples: int, members: list[tuple[str, bytes
     index = ShardIndex.build(writer.keys, [1] * samples, writer.members).to_bytes(writer.size)
     path.with_suffix(".idx").write_bytes(index)
     return ShardInfo(path.name, samples, samples, writer.size, sha,
-                     IndexInfo(index_name(path.name), len(index), hashlib.sha256(index).hexdigest()))
+                     IndexInfo.of(path.name, index))
 
 
 def write_synthetic(out: str | os.PathLike[str], samples: int, per_shard: int = 1000) -> Manifest:

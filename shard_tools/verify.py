@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.errors import ShardstreamError
-from pipeline.format import BLOCK_BYTES, SCHEMA_VERSION, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name
+from pipeline.format import BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name
 from pipeline.kinds import KINDS
 from pipeline.storage import filesystem, join, read_index, read_manifest, write_bytes
 from pipeline.tario import parse_sample, sample_members
@@ -141,10 +141,10 @@ def upgrade(root: str, *, progress: bool = True, storage_options: dict[str, Any]
             data = index.to_bytes(shard.bytes)
             write_bytes(fs, join(base, index_name(shard.name)), data)
             upgraded.append(ShardInfo(shard.name, shard.samples, shard.units, shard.bytes, shard.sha256,
-                                      IndexInfo(index_name(shard.name), len(data), hashlib.sha256(data).hexdigest())))
+                                      IndexInfo.of(shard.name, data)))
         splits[name] = upgraded
     bar.close()
     new = Manifest(manifest.kind, splits, manifest.options, manifest.fingerprint, manifest.skipped)
-    write_bytes(fs, join(base, "manifest.json"), new.to_json())  # last: the indexes it lists are in place
+    write_bytes(fs, join(base, MANIFEST_NAME), new.to_json())  # last: the indexes it lists are in place
     shards = sum(len(s) for s in splits.values())
     return f"{root}: upgraded from schema {manifest.version} to {SCHEMA_VERSION}: {shards} shard indexes written, no shard changed"
