@@ -2,8 +2,8 @@
 them, to check geometry and decoding by eye before a long run.
 
 - SA-1B: each image cropped to its frame (`image_sizes`: the zero padding cut away), its masks
-  scaled from the mask frame into it by the loader's own nearest rule, each in its own colour at
-  `ALPHA` opacity, and each mask's box outlined in that colour.
+  scaled from the mask frame into it by the loader's own nearest rule, each in its own colour
+  (smaller masks over larger ones) at `ALPHA` opacity, and each mask's box outlined in that colour.
 - VQA: each image with its question and answer written under it.
 - Embeddings: a table of the fields over the batch's rows: dtype and shape, min, mean, max, and
   a histogram.
@@ -101,17 +101,19 @@ def _sa1b_tiles(batch: dict[str, Any], tile: int) -> list[tuple[Image.Image, lis
         rows, cols = nearest_index(mh, th), nearest_index(mw, tw)
         count = int(batch["mask_counts"][i])
         colours = mask_colours(count)
-        pixels = np.asarray(picture, dtype=np.float32).copy()
-        for j in range(count):
+        paint, covered = np.zeros((th, tw, 3), np.float32), np.zeros((th, tw), bool)
+        for j in np.argsort(-batch["areas"][i, :count].cpu().numpy(), kind="stable"):  # smaller masks on top
             inside = batch["masks"][i, j, :mh, :mw].cpu().numpy()[rows][:, cols]
-            pixels[inside] = (1 - ALPHA) * pixels[inside] + ALPHA * np.array(colours[j], dtype=np.float32)
+            paint[inside], covered = colours[j], covered | inside
+        pixels = np.asarray(picture, dtype=np.float32).copy()
+        pixels[covered] = (1 - ALPHA) * pixels[covered] + ALPHA * paint[covered]
         picture = Image.fromarray(pixels.round().astype(np.uint8))
         draw = ImageDraw.Draw(picture)
         for j, (x0, y0, x1, y1) in enumerate(batch["boxes"][i, :count].tolist()):
             box = [round(x0 * tw / w), round(y0 * th / h), round(x1 * tw / w) - 1, round(y1 * th / h) - 1]
             draw.rectangle([box[0], box[1], max(box[0], box[2]), max(box[1], box[3])], outline=colours[j])
         size = "x".join(map(str, batch["original_sizes"][i].tolist()))
-        tiles.append((picture, [str(batch["keys"][i]), f"{count} masks, original {size}"]))
+        tiles.append((picture, _wrap(str(batch["keys"][i]), tile, 1) + [f"{count} masks, original {size}"]))
     return tiles
 
 
@@ -120,7 +122,7 @@ def _vqa_tiles(batch: dict[str, Any], tile: int) -> list[tuple[Image.Image, list
     for i in range(len(batch["keys"])):
         questions, answers = batch["questions"][i], batch["answers"][i]
         pairs = list(zip(questions, answers))[:3] if isinstance(questions, list) else [(questions, answers)]
-        text = [str(batch["keys"][i])]
+        text = _wrap(str(batch["keys"][i]), tile, 1)
         for question, answer in pairs:
             text += _wrap(f"Q: {question}", tile) + _wrap(f"A: {answer}", tile)
         tiles.append((_picture(batch["images"][i], batch["image_sizes"][i], tile), text))

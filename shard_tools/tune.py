@@ -151,8 +151,7 @@ def tune(
     if batches < 1 or warmup < 1 or seconds <= 0:
         raise ValueError(f"batches and warmup must be >= 1 and seconds > 0, got {batches}, {warmup}, {seconds}")
     options = dict(options or {})
-    if len(make_stream_loader(source, split, batch_size=batch_size, num_workers=0, **options)) == 0:
-        raise ValueError(f"{source}: split {split!r} has no full batch of {batch_size} samples")
+    make_stream_loader(source, split, batch_size=batch_size, num_workers=0, **options)  # refuses what it cannot do
     settings = list(dict.fromkeys(Setting(w, p if w else 2, r) for w in workers for p in prefetch_factors
                                   for r in read_aheads))
     spec = dict(source=source, split=split, batch_size=batch_size, batches=batches, warmup=warmup, seconds=seconds,
