@@ -28,7 +28,6 @@ from shard_tools.pack import PackOptions, TooManySkipped, pack, parse_splits
 from shard_tools.preview import preview, write_png
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.tune import WITHIN, TuneError, default_workers, plot, tune
-from shard_tools.tune import __doc__ as tune_doc
 from shard_tools.verify import describe, upgrade, verify
 from shard_tools.vqa import LAYOUTS, VqaSource, pack_vqa
 
@@ -147,8 +146,9 @@ def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentPa
 
     p = sub.add_parser("tune", parents=[quiet, kind], help="measure the loader on this dataset and machine across "
                        "num_workers (prefetch_factor, read_ahead) and recommend settings",
-                       description=tune_doc.split("\n\n")[0] + " Recommends, among the settings within "
-                       f"{WITHIN:.0%} of the best throughput, the one of least peak memory.")
+                       description="Run each setting in a subprocess of its own; print samples/s, CPU per sample, "
+                       "peak memory of the process tree and time to the first batch per setting, and recommend, among "
+                       f"the settings within {WITHIN:.0%} of the best throughput, the one of least peak memory.")
     p.add_argument("out", metavar="OUT", help="dataset folder or URL")
     p.add_argument("--split", required=True)
     p.add_argument("--batch-size", type=int, required=True)

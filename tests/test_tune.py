@@ -48,6 +48,8 @@ def test_the_recommendation_is_the_least_memory_within_95_percent_of_the_best():
                                        "per sample")
     assert recommend([_row(2, 97, 300, cpu=9.0), _row(4, 100, 300, cpu=4.0)]).setting == Setting(4)  # then CPU
     assert recommend([_row(4, 100, None), _row(2, 96, None)]).setting == Setting(2)  # no memory figures: fewer workers
+    coarse = [_row(4, 100, 500, cpu=0.0), _row(2, 96, 300, cpu=0.0)]  # CPU below a clock tick
+    assert TuneResult(tuple(coarse), coarse[0], recommend(coarse)).recommendation().endswith("at 60% of its memory")
     alone = TuneResult((rows[3],), rows[3], rows[3])
     assert alone.recommendation() == "recommended: num_workers=4, prefetch_factor=2: the best throughput (100.0 samples/s)"
     assert plot(result).size == (960, 320)
