@@ -14,7 +14,7 @@ from shard_tools.tune import Row, Setting, TuneResult, default_workers, plot, re
 SMALL = ["--image-size", "64", "--mask-size", "32", "--max-masks", "4"]
 
 
-def test_a_small_sweep_prints_a_row_per_setting_and_a_recommendation(sa1b_dataset, tmp_path, capsys):
+def test_a_small_sweep_prints_a_row_per_setting_and_a_recommendation(sa1b_dataset, tmp_path, capsys, caplog):
     png, rows = tmp_path / "tune.png", tmp_path / "tune.json"
     argv = ["tune", sa1b_dataset, "--split", "train", "--batch-size", "2", "--workers", "0,1", "--batches", "2",
             "--warmup", "1", *SMALL, "--plot", str(png), "--json", str(rows)]
@@ -26,6 +26,7 @@ def test_a_small_sweep_prints_a_row_per_setting_and_a_recommendation(sa1b_datase
     assert all(float(t[3]) > 0 and float(t[4]) >= 0 and float(t[5]) > 0 and float(t[6]) > 0 for t in table)
     # samples/s, CPU ms/sample (in clock ticks: 0 for so short a run), peak MB, first batch s
     assert lines[3].startswith("recommended: num_workers=")
+    assert "tune: 6/6 batches (" in caplog.text  # progress as log lines off a terminal: 2 x (1 warm-up + 2 timed)
     written = json.loads(rows.read_text())
     assert [r["setting"]["num_workers"] for r in written["rows"]] == [0, 1]
     assert written["recommendation"] == lines[3]
