@@ -261,14 +261,14 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     make the reader do; with `on_error="skip"`, `max_errors` (a count, or a fraction of the
     rank's samples) bounds the skips per epoch.
 
-    Settings are `LoaderConfig`'s (`batch_size` and `num_workers` among them), given as keywords, as
-    a `config`, or both (keywords replace the config's); any other keyword is an option of the kind,
-    and one the kind does not take is refused. The kind's options (the manifest says which kind): for SA-1B `image_size=1024`,
-    `mask_size=256`, `max_masks=64` (an int, or a function of the epoch); for VQA
-    `per="question"` (or "image") and `image_size=448` (or None: as stored). Kinds whose samples
-    hold several units (rows of a block, questions of an image) yield units; each worker keeps up
-    to `unit_cache_bytes` of such samples open for their next units (read from a mapped local
-    file, a sample counts as none: its bytes are the page cache's).
+    Settings are `LoaderConfig`'s (`batch_size` and `num_workers` among them), given as keywords,
+    as a `config`, or both (keywords replace the config's); any other keyword is an option of the
+    kind (the manifest says which), and one the kind does not take is refused by name. For SA-1B
+    `image_size=1024`, `mask_size=256`, `max_masks=64` (an int, or a function of the epoch); for
+    VQA `per="question"` (or "image") and `image_size=448` (or None: as stored). Kinds whose
+    samples hold several units (rows of a block, questions of an image) yield units; each worker
+    keeps up to `unit_cache_bytes` of such samples open for their next units (read from a mapped
+    local file, a sample counts as none: its bytes are the page cache's).
 
     Storage: `source` is a local folder or any fsspec URL (`s3://bucket/prefix`, `gs://`,
     `https://`), opened in each worker with `storage_options` (e.g. s3fs's `endpoint_url`, `key`,

@@ -3,8 +3,8 @@
 `plan_epoch(sizes, seed, epoch, world, ...)` decides everything that must agree across processes:
 - Order: a shuffle from the table `SHUFFLES`. With `shuffle=True` ("shards-then-window"), the shards
   are permuted, then samples are permuted within consecutive windows of `window` samples of that
-  sequence (locality: a window touches few shards). Seeds
-  come from `numpy.random.SeedSequence` over (seed, epoch, purpose, window): no global state.
+  sequence (locality: a window touches few shards). Seeds come from `numpy.random.SeedSequence`
+  over (seed, epoch, purpose, window): no global state.
 - Ranks: rank r takes a contiguous span of the order, cut into batches. Every rank gets the same
   number of batches (DDP needs it). `drop_last=True` drops the tail of the order that does not
   fill a batch on every rank (fewer than world_size * batch_size samples); `drop_last=False`
