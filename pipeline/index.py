@@ -8,7 +8,7 @@ index (`format.ShardIndex`), fetched by the worker that reads the shard."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -49,16 +49,20 @@ class SplitIndex:
         return np.searchsorted(self.first_item, items, side="right") - 1
 
 
-def locate(index: SplitIndex, items: np.ndarray, unit_starts: Mapping[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(sample number, unit within the sample) of each plan item; `unit_starts` holds, for each shard
-    the items touch, its samples' first units (`ShardIndex.unit_starts`; needed only by units)."""
+def locate(index: SplitIndex, items: np.ndarray,
+           unit_starts: Callable[[list[int]], Mapping[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """(sample number, unit within the sample) of each plan item. `unit_starts(shards)` gives, for
+    each shard the items touch, its samples' first units (`ShardIndex.unit_starts`; the reader
+    fetches those indexes then, all at once)."""
     shard = index.shards_of(items)
     local = items - index.first_item[shard]
     samples, units = np.empty_like(items), np.zeros_like(items)
-    for i in np.unique(shard).tolist():
+    touched = np.unique(shard).tolist()
+    starts_of = unit_starts(touched)
+    for i in touched:
         at = shard == i
         if index.by_units:
-            starts = unit_starts[i]
+            starts = starts_of[i]
             within = np.searchsorted(starts, local[at], side="right") - 1
             units[at] = local[at] - starts[within]
         else:

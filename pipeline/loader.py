@@ -117,7 +117,7 @@ class StreamLoader:
 
     def _identity(self) -> dict[str, Any]:
         """What a saved state must share with the loader that resumes it."""
-        config = self._stream.config
+        config = self.config
         return {"version": STATE_VERSION, "fingerprint": self._fingerprint, "split": self.split,
                 "units": [int(s.sizes.sum()) for s in self._stream.sources],
                 **{name: getattr(config, name) for name in ORDER_SETTINGS}}

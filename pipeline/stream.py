@@ -7,6 +7,7 @@ left out, within the skip budget."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import traceback
 from collections.abc import Iterator, Sequence
@@ -149,9 +150,9 @@ class ShardStream(IterableDataset):
         """A batch's samples in order of first use, and what to decode of each (`index.group`)."""
         samples, units = np.empty_like(items), np.zeros_like(items)
         for number in np.unique(sources).tolist():
-            source, mine = self.sources[number], np.flatnonzero(sources == number)
-            touched = np.unique(source.shards_of(items[mine])).tolist()
-            samples[mine], units[mine] = locate(source, items[mine], reads.unit_starts(number, touched))
+            mine = np.flatnonzero(sources == number)
+            samples[mine], units[mine] = locate(self.sources[number], items[mine],
+                                                functools.partial(reads.unit_starts, number))
         return group(sources, samples, units, self.kind.grouped)
 
     def _decode(self, reads: SampleReads, work: Sequence[tuple[Where, Any]], epoch: int, worker: int,

@@ -20,7 +20,7 @@ import msgpack.exceptions
 import numpy as np
 import torch
 
-from pipeline.collate import empty, rows
+from pipeline.collate import empty, rows as rows_of
 from pipeline.errors import ManifestError, SampleError
 from pipeline.format import (
     BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, column_offsets, storage_dtype,
@@ -409,7 +409,7 @@ class Embeddings:
         return finish(batch, self.options)
 
     def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        return rows(batch)
+        return rows_of(batch)
 
     def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
         return check_batch(batch, self.options, epoch)
