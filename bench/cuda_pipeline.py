@@ -75,8 +75,8 @@ def main() -> None:
     del gpu, cpu
 
     # 2. overlap of copy and step, on the same batches in memory
-    stream = make_stream_loader(root, "train", num_workers=0, **SETTINGS)._stream
-    finish, options = stream.kind.finish, stream.options
+    stream = make_stream_loader(root, "train", num_workers=0, **SETTINGS).stream
+    finish = stream.kind.finish
     transit = list(stream)[:12]
     pinned = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in transit]
     weight = torch.randn(4096, 4096, device=device)
@@ -91,7 +91,7 @@ def main() -> None:
         start = time.perf_counter()
         source = prefetch_to_cuda(iter(batches), device) if prefetch else (to_device(b, device) for b in batches)
         for b in source:  # b is on the device either way; only prefetch overlaps its copy with the last step
-            step(finish(b, options), reps)
+            step(finish(b), reps)
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / len(batches) * 1000
 
@@ -101,7 +101,7 @@ def main() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         for b in pinned[:4]:
-            step(finish(to_device(b, device), options), reps)
+            step(finish(to_device(b, device)), reps)
         torch.cuda.synchronize()
         if (time.perf_counter() - start) / 4 > 0.010 or reps > 1 << 16:
             break

@@ -149,7 +149,7 @@ def run_floor(data: pathlib.Path, cores: int) -> dict:
 
     from pipeline.format import unpack_record
     from pipeline.rle import fit, raster
-    from pipeline.sa1b import choose_masks, decode_image
+    from pipeline.kinds.sa1b import choose_masks, decode_image
 
     torch.set_num_threads(1)  # as in a DataLoader worker: the floor is one core's work
     work = []

@@ -2,7 +2,8 @@
 `trainer_dataset()` and `trl_dataset()` for trainers with their own DataLoader."""
 
 from pipeline.errors import ManifestError, SampleError, ShardError, ShardstreamError
-from pipeline.loader import LoaderConfig, StreamLoader, make_stream_dataset, make_stream_loader, validate_first_batch
+from pipeline.config import LoaderConfig
+from pipeline.loader import StreamLoader, make_stream_dataset, make_stream_loader, validate_first_batch
 from pipeline.plan import World, plan_epoch
 from pipeline.tario import ReadLimits
 from pipeline.trainers import trainer_dataset, trl_dataset

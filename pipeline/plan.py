@@ -1,9 +1,10 @@
 """The epoch plan: which samples each rank and DataLoader worker reads, in which order. Pure.
 
 `plan_epoch(sizes, seed, epoch, world, ...)` decides everything that must agree across processes:
-- Order: with `shuffle`, the shards are permuted, then samples are permuted within consecutive
-  windows of `window` samples of that sequence (locality: a window touches few shards). Seeds
-  come from `numpy.random.SeedSequence` over (seed, epoch, purpose, window): no global state.
+- Order: a shuffle from the table `SHUFFLES`. With `shuffle=True` ("shards-then-window"), the shards
+  are permuted, then samples are permuted within consecutive windows of `window` samples of that
+  sequence (locality: a window touches few shards). Seeds come from `numpy.random.SeedSequence`
+  over (seed, epoch, purpose, window): no global state.
 - Ranks: rank r takes a contiguous span of the order, cut into batches. Every rank gets the same
   number of batches (DDP needs it). `drop_last=True` drops the tail of the order that does not
   fill a batch on every rank (fewer than world_size * batch_size samples); `drop_last=False`
@@ -41,7 +42,8 @@ from pipeline.errors import PlanError
 
 __all__ = [
     "World", "Resume", "Mix", "PlanError", "rank_batch_sizes", "rank_batch_count", "rank_sample_count",
-    "rank_positions", "epoch_order", "epoch_samples", "mixed_order", "plan_epoch",
+    "rank_positions", "epoch_order", "epoch_samples", "mixed_order", "plan_epoch", "SHUFFLES", "get_shuffle",
+    "shuffle_name",
 ]
 
 _SHARD_ORDER, _WINDOW_ORDER, _MIX_ORDER = 1, 2, 4  # SeedSequence purposes (3 is the SA-1B mask sampling)
@@ -109,14 +111,21 @@ def rank_batch_sizes(total: int, world_size: int, rank: int, batch_size: int, dr
     return start, [batch_size] * full + list(tail)
 
 
-class _Order:
-    """One source's epoch order (see `epoch_order`), its shard permutation computed once and its
-    last windows' permutations kept: a lazy plan asks it for one chunk of positions at a time."""
+Order = Callable[[np.ndarray], np.ndarray]  # positions of an epoch -> global sample ids (shard-major numbering)
 
-    def __init__(self, sizes: Sequence[int], entropy: Sequence[int], shuffle: bool, window: int) -> None:
-        self.entropy, self.shuffle, self.window = list(entropy), shuffle, window
-        if not shuffle:
-            return
+
+def _in_order(sizes: Sequence[int], entropy: Sequence[int], window: int) -> Order:
+    """No shuffle: the samples as numbered."""
+    return lambda positions: np.asarray(positions, dtype=np.int64).copy()
+
+
+class _ShardsThenWindow:
+    """The shards permuted, then samples permuted within consecutive windows of `window` samples of
+    that sequence (a window touches few shards). The shard permutation is computed once and the last
+    windows' permutations kept: a lazy plan asks for one chunk of positions at a time."""
+
+    def __init__(self, sizes: Sequence[int], entropy: Sequence[int], window: int) -> None:
+        self.entropy, self.window = list(entropy), window
         counts = np.asarray(sizes, dtype=np.int64)
         self.total = int(counts.sum())
         self.perm = np.random.default_rng([*entropy, _SHARD_ORDER]).permutation(counts.size)
@@ -134,7 +143,7 @@ class _Order:
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
-        if not self.shuffle or positions.size == 0:
+        if positions.size == 0:
             return positions.copy()
         windows = positions // self.window
         order = np.argsort(windows, kind="stable")
@@ -146,10 +155,32 @@ class _Order:
         return self.first_id[self.perm[shard]] + sequence - self.seq_start[shard]
 
 
-def epoch_order(sizes: Sequence[int], entropy: Sequence[int], shuffle: bool, window: int, positions: np.ndarray) -> np.ndarray:
+# The shuffles, by name: (shard sizes, entropy, window) -> one source's epoch order. A new shuffle is a
+# function here and an entry in this table; it must be a permutation that depends on its arguments only.
+SHUFFLES: dict[str, Callable[[Sequence[int], Sequence[int], int], Order]] = {
+    "none": _in_order,
+    "shards-then-window": _ShardsThenWindow,
+}
+
+
+def shuffle_name(shuffle: bool | str) -> str:
+    """The table's name for a `shuffle` setting: True is "shards-then-window", False is "none"."""
+    name = ("shards-then-window" if shuffle else "none") if isinstance(shuffle, bool) else shuffle
+    if name not in SHUFFLES:
+        raise ValueError(f"shuffle must be True, False or one of {sorted(SHUFFLES)}, got {shuffle!r}")
+    return name  # type: ignore[return-value]
+
+
+def get_shuffle(shuffle: bool | str) -> Callable[[Sequence[int], Sequence[int], int], Order]:
+    """The shuffle of this name (or True/False, see `shuffle_name`)."""
+    return SHUFFLES[shuffle_name(shuffle)]
+
+
+def epoch_order(sizes: Sequence[int], entropy: Sequence[int], shuffle: bool | str, window: int,
+                positions: np.ndarray) -> np.ndarray:
     """Global sample ids (shard-major numbering) at the given positions of one source's order for
     `entropy` ((seed, epoch), or (seed, epoch, source, pass) when mixing)."""
-    return _Order(sizes, entropy, shuffle, window)(positions)
+    return get_shuffle(shuffle)(sizes, entropy, window)(positions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,16 +370,17 @@ class _Mixer:
     """The epoch's mixed order (see the module docstring), its tree nodes, last windows and
     sources' orders kept between calls."""
 
-    def __init__(self, sources: Sequence[Sequence[int]], mix: Mix, seed: int, epoch: int, shuffle: bool,
+    def __init__(self, sources: Sequence[Sequence[int]], mix: Mix, seed: int, epoch: int, shuffle: bool | str,
                  window: int) -> None:
-        self.sources, self.seed, self.epoch, self.shuffle, self.window = sources, seed, epoch, shuffle, window
+        self.sources, self.seed, self.epoch, self.window = sources, seed, epoch, window
+        self.shuffle, self.order = shuffle_name(shuffle) != "none", get_shuffle(shuffle)
         self.counts = np.asarray(mix.counts, np.int64)
         self.total = int(self.counts.sum())
         self.sizes = [sum(s) for s in sources]
         self.windows = -(-self.total // _MIX_WINDOW)
         self.nodes: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
         self.labels: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
-        self.orders: collections.OrderedDict[tuple[int, int], _Order] = collections.OrderedDict()
+        self.orders: collections.OrderedDict[tuple[int, int], Order] = collections.OrderedDict()
 
     @staticmethod
     def _cached(cache: collections.OrderedDict, key: object, limit: int, make: Callable, *args: object) -> Any:  # type: ignore[type-arg]
@@ -408,13 +440,13 @@ class _Mixer:
             passes = nth[mine] // self.sizes[s]
             for run in np.unique(passes).tolist():
                 sel = mine[passes == run]
-                order = self._cached(self.orders, (s, run), 2 * len(self.sources), _Order, self.sources[s],
-                                     [self.seed, self.epoch, s, run], self.shuffle, self.window)
+                order = self._cached(self.orders, (s, run), 2 * len(self.sources), self.order, self.sources[s],
+                                     [self.seed, self.epoch, s, run], self.window)
                 ids[sel] = order(nth[sel] % self.sizes[s])
         return source, ids
 
 
-def mixed_order(sources: Sequence[Sequence[int]], mix: Mix, seed: int, epoch: int, shuffle: bool, window: int,
+def mixed_order(sources: Sequence[Sequence[int]], mix: Mix, seed: int, epoch: int, shuffle: bool | str, window: int,
                 positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(source, sample id within it) at the given positions of the epoch's mixed order."""
     return _Mixer(sources, mix, seed, epoch, shuffle, window)(positions)
@@ -478,7 +510,7 @@ def plan_epoch(
     *,
     batch_size: int,
     drop_last: bool = True,
-    shuffle: bool = True,
+    shuffle: bool | str = True,
     window: int = 16384,
     mix: Mix | None = None,
     history: Sequence[Resume] = (),
@@ -491,7 +523,7 @@ def plan_epoch(
     span = _rank_span(epoch_samples(sources, mix), world.world_size, world.rank, batch_size, drop_last, history)
     order: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
     if mix is None:
-        single = _Order(sources[0], [seed, epoch], shuffle, window)
+        single = get_shuffle(shuffle)(sources[0], [seed, epoch], window)
         order = lambda positions: (np.zeros(positions.size, np.int64), single(positions))  # noqa: E731
     else:
         order = _Mixer(sources, mix, seed, epoch, shuffle, window)

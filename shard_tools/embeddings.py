@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.embeddings import Field, value_problem
+from pipeline.kinds.embeddings import Field, value_problem
 from pipeline.errors import InputError, RowError
 from pipeline.format import BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
 from pipeline.storage import sha256_file

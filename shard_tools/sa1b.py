@@ -2,7 +2,7 @@
 check each pair, and encode it as the sample members of `pipeline.format` (JPEG + msgpack record).
 
 With `image_max_side`, larger JPEGs are re-encoded to that long side; the annotations keep the
-original geometry and RLE, and the loader maps both into the same frame (see `pipeline.sa1b`).
+original geometry and RLE, and the loader maps both into the same frame (see `pipeline.kinds.sa1b`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from PIL import Image
 from pipeline.errors import SampleError
 from pipeline.format import SA1B_ANN, SA1B_JPG, check_key, encode_array, pack_record
 from pipeline.rle import RLEError, check, fit
-from pipeline.sa1b import MAX_IMAGE_PIXELS
+from pipeline.kinds.sa1b import MAX_IMAGE_PIXELS
 from pipeline.storage import filesystem
 from shard_tools.images import load_whole, resize_image
 from shard_tools.pack import Part, SampleRef

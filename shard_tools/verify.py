@@ -14,8 +14,8 @@ from tqdm import tqdm
 
 from pipeline.errors import ShardstreamError
 from pipeline.format import BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name
-from pipeline.kinds import KINDS
-from pipeline.storage import filesystem, join, read_index, read_manifest, write_bytes
+from pipeline.kinds import KINDS, Kind
+from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, write_bytes
 from pipeline.tario import parse_sample, sample_members
 
 __all__ = ["describe", "verify", "upgrade"]
@@ -43,7 +43,8 @@ def describe(manifest: Manifest, root: str) -> list[str]:
 
 
 def _samples(fs: Any, path: str, index: ShardIndex) -> Iterator[tuple[int, bytes]]:
-    """Each sample's bytes, reading the shard front to back (one open file, large sequential reads)."""
+    """Each sample's bytes, reading the shard front to back (one open file, large sequential reads:
+    `upgrade`, which has no index to read samples by)."""
     with fs.open(path, "rb", block_size=_READ_BLOCK) as f:
         for i in range(index.samples):
             start, end = index.span(i)
@@ -53,20 +54,21 @@ def _samples(fs: Any, path: str, index: ShardIndex) -> Iterator[tuple[int, bytes
 
 def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] | None = None) -> list[str]:
     """Every problem in the dataset: missing shards or indexes, sizes or checksums that disagree
-    with the manifest, indexes that disagree with their shards, undecodable samples."""
+    with the manifest, indexes that disagree with their shards, undecodable samples. Samples are
+    read as the loader reads them: the shard's index and each sample's bytes through a
+    `ShardReader`, its members by `tario`, decoded by the kind (`Kind.for_verify`: everything)."""
     manifest = read_manifest(root, storage_options)
-    kind = KINDS[manifest.kind]
-    options = kind.verify_options(manifest)
-    fs, base = filesystem(root, storage_options)
+    kind = KINDS[manifest.kind].for_verify(manifest)
+    reader = ShardReader(root, storage_options, Retry())
     problems: list[str] = []
     total = sum(split.samples for split in manifest.splits.values())
     bar = tqdm(total=total, unit="sample", disable=not (progress and sys.stderr.isatty()))
     for shards in manifest.splits.values():
         for shard in shards:
-            url, path = join(root, shard.name), join(base, shard.name)
+            url, path = join(root, shard.name), join(reader.base, shard.name)
             try:
-                size = fs.size(path)
-                index = read_index(fs, base, root, shard)
+                size = reader.fs.size(path)
+                index = reader.index(shard)
             except FileNotFoundError:
                 problems.append(f"{url}: shard is missing")
                 bar.update(shard.samples)
@@ -78,37 +80,38 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
             if size != shard.bytes:
                 problems.append(f"{url}: {size} bytes, the manifest says {shard.bytes}")
             digest = hashlib.sha256()
-            with fs.open(path, "rb", block_size=_READ_BLOCK) as f:
+            with reader.fs.open(path, "rb", block_size=_READ_BLOCK) as f:
                 while block := f.read(_READ_BLOCK):
                     digest.update(block)
             if digest.hexdigest() != shard.sha256:
                 problems.append(f"{url}: SHA-256 {digest.hexdigest()}, the manifest says {shard.sha256}")
-            problems += _check_samples(fs, path, url, shard, index, kind, options, bar)
+            problems += _check_samples(reader, url, shard, index, kind, bar)
     bar.close()
     return problems
 
 
-def _check_samples(fs: Any, path: str, url: str, shard: ShardInfo, index: ShardIndex, kind: Any, options: Any,
+def _check_samples(reader: ShardReader, url: str, shard: ShardInfo, index: ShardIndex, kind: Kind,
                    bar: Any) -> list[str]:
-    """Each sample parsed, compared with its index entry (members, offsets, sizes) and decoded whole."""
+    """Each sample read by range, compared with its index entry (members, offsets, sizes) and decoded whole."""
     problems = []
-    for i, data in _samples(fs, path, index):
+    for i in range(index.samples):
         bar.update(1)
-        key, start = index.key(i), index.span(i)[0]
+        key, (start, end) = index.key(i), index.span(i)
         try:
+            data = reader.read(shard.name, shard.bytes, shard.sha256, start, end, key)
             found = [(ext, start + at, size) for ext, at, size in sample_members(data, url, key)]
             if index.members is not None and found != index.sample_members(i):
                 problems.append(f"{url}: sample {key!r}: members {found}, the index says {index.sample_members(i)}")
                 continue
             units = int(index.units[i])
-            every = np.arange(units if kind.units(options) else 1)
-            sample = kind.open(parse_sample(data, url, key), options, url=url, key=key, units=units)
+            every = np.arange(units if kind.units else 1)
+            sample = kind.open(parse_sample(data, url, key), url=url, key=key, units=units)
             for unit in [every] if kind.grouped else every.tolist():
-                kind.decode(sample, options, unit=unit, seed=0, epoch=0, url=url, key=key)
+                kind.decode(sample, unit=unit, seed=0, epoch=0, url=url, key=key)
         except ShardstreamError as exc:
             problems.append(str(exc))
     end = int(index.spans[-1, 1]) if index.samples else 0
-    tail = fs.cat_file(path, start=end, end=shard.bytes) if shard.bytes >= end else b""
+    tail = reader.fs.cat_file(join(reader.base, shard.name), start=end, end=shard.bytes) if shard.bytes >= end else b""
     if len(tail) < 2 * BLOCK_BYTES or tail.strip(b"\0"):
         problems.append(f"{url}: does not end with a tar end-of-archive after its last sample")
     return problems

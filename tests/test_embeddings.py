@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
-from pipeline.embeddings import EmbeddingsOptions, Field, check_batch, open_block
+from pipeline.kinds.embeddings import EmbeddingsOptions, Field, check_batch, open_block
 from pipeline.errors import InputError, RowError
 from pipeline.format import (
     COLUMN_ALIGN, COLUMN_DTYPES, Manifest, pack_columns, pack_record, storage_dtype, unpack_columns, unpack_record,
@@ -498,7 +498,7 @@ def test_curriculum_schedule_reaches_persistent_workers(emb_src, emb_dataset):
         for batch in batches:
             assert batch["negative_embs"].shape == (8, count, D)
             assert np.array_equal(batch["negative_embs"].numpy(), arrays["negative_embs"][batch["row"].numpy(), :count])
-            assert not check_batch(batch, loader._stream.options, epoch)
+            assert not check_batch(batch, loader.kind.options, epoch)
 
 
 def test_mixing_datasets_of_the_same_fields(emb_src, emb_dataset, tmp_path):
@@ -508,7 +508,7 @@ def test_mixing_datasets_of_the_same_fields(emb_src, emb_dataset, tmp_path):
     loader = make_stream_loader([emb_dataset, str(tmp_path / "out")], "train", batch_size=10, num_workers=0,
                                 weights=[0.5, 0.5], epoch_size=200)
     batches = _epoch(loader, 0)
-    assert sum(len(b["row"]) for b in batches) == 200 and not check_batch(batches[0], loader._stream.options, 0)
+    assert sum(len(b["row"]) for b in batches) == 200 and not check_batch(batches[0], loader.kind.options, 0)
     schema = json.loads((other / "schema.json").read_text())
     del schema["fields"]["steering"]
     (other / "schema.json").write_text(json.dumps(schema))
@@ -550,7 +550,7 @@ def test_a_schedule_giving_a_bad_count_is_named(emb_dataset):
 def test_validate_first_batch_and_what_check_catches(emb_dataset):
     loader = _loader(emb_dataset, batch_size=16)
     batch = validate_first_batch(loader)
-    options = loader._stream.options
+    options = loader.kind.options
     assert check_batch(batch, options, 0) == []
 
     def problems(name, change):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pipeline.errors import ShardIndexError, ShardstreamError
 from pipeline.format import ShardIndex
-from pipeline.sa1b import Sa1bOptions, decode_sample
+from pipeline.kinds.sa1b import Sa1bOptions, decode_sample
 from pipeline.tario import BLOCK, parse_sample
 from test_hostile import _member
 from test_index import _index

@@ -1,20 +1,19 @@
-"""pipeline.kinds as a module: every registered kind has the Kind fields, and its options validate."""
+"""pipeline.kinds as a package: every registered kind has the Kind methods, and its options validate."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from pipeline.format import KIND_NAMES
-from pipeline.kinds import KINDS, Kind
+from pipeline.kinds import KINDS, Kind, kind_of
 from pipeline.storage import read_manifest
 from pipeline.tario import ReadLimits
 from shard_tools.embeddings import pack_embeddings
 
-CALLABLES = [f.name for f in dataclasses.fields(Kind) if f.name != "grouped"]
+METHODS = ("of", "for_verify", "open", "decode", "collate", "finish", "unbatch", "check")
 
 
 def test_the_registry_is_the_formats_kinds():
@@ -22,11 +21,12 @@ def test_the_registry_is_the_formats_kinds():
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
-def test_every_kind_has_the_kind_fields(name):
-    kind = KINDS[name]
-    assert isinstance(kind, Kind) and isinstance(kind.grouped, bool)
-    for field in CALLABLES:
-        assert callable(getattr(kind, field)), f"{name}.{field}"
+def test_every_kind_has_the_kind_methods(name, embeddings_manifest):
+    kind = KINDS[name].for_verify(embeddings_manifest)
+    assert isinstance(kind.grouped, bool) and isinstance(kind.units, bool) and kind.options is not None
+    for method in METHODS:
+        assert callable(getattr(kind, method)), f"{name}.{method}"
+    assert set(METHODS) <= set(dir(Kind))
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +48,17 @@ def embeddings_manifest(tmp_path_factory):
 def test_options_of_each_kind_validate(name, good, bad, message, embeddings_manifest):
     kind = KINDS[name]
     manifests = [embeddings_manifest] if name == "embeddings" else []
-    options = kind.options(manifests, ReadLimits(), **good)
-    assert isinstance(kind.units(options), bool)
+    assert isinstance(kind.of(manifests, ReadLimits(), **good).units, bool)
     with pytest.raises(ValueError, match=message):
-        kind.options(manifests, ReadLimits(), **bad)
+        kind.of(manifests, ReadLimits(), **bad)
+
+
+def test_an_option_no_kind_takes_is_named(embeddings_manifest):
+    with pytest.raises(ValueError, match=r"embeddings datasets do not take these options \['bogus'\].*bogus"):
+        kind_of([embeddings_manifest], ReadLimits(), bogus=1)
 
 
 def test_verify_options_read_everything(embeddings_manifest):
-    assert KINDS["embeddings"].verify_options(embeddings_manifest).check_values
-    for name in ("sa1b", "vqa"):
-        assert KINDS[name].verify_options(embeddings_manifest) is not None
+    assert KINDS["embeddings"].for_verify(embeddings_manifest).options.check_values
+    assert KINDS["vqa"].for_verify(embeddings_manifest).options.per == "image"
+    assert KINDS["sa1b"].for_verify(embeddings_manifest).options.max_masks >= 1 << 20

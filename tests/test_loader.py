@@ -22,7 +22,7 @@ from pycocotools import mask as mask_utils
 from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
 from pipeline.format import Manifest
 from pipeline.rle import fit, nearest_index
-from pipeline.sa1b import Sa1bOptions, check_batch, choose_masks
+from pipeline.kinds.sa1b import Sa1bOptions, check_batch, choose_masks
 from conftest import indexed, split_keys
 
 SMALL = dict(image_size=64, mask_size=32, max_masks=5)

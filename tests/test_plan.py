@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pipeline.plan import (
     Mix, PlanError, Resume, World, epoch_order, epoch_samples, mixed_order, plan_epoch, rank_batch_count, rank_batch_sizes,
-    rank_positions, rank_sample_count,
+    rank_positions, rank_sample_count, SHUFFLES, get_shuffle, shuffle_name,
 )
 
 SIZES = {
@@ -428,3 +428,27 @@ def test_mix_of_an_epoch_past_numpys_hypergeometric_bound():
     for s, size in enumerate((1_500_000_000, 1_200_000_000, 300_000_000)):
         mine = ids[source == s]
         assert len(set(mine.tolist())) == mine.size and mine.min() >= 0 and mine.max() < size
+
+
+# -- the table of shuffles -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(SHUFFLES))
+def test_every_shuffle_is_a_deterministic_permutation_asked_in_any_chunks(name):
+    sizes = [7, 0, 30, 1, 12]
+    total = sum(sizes)
+    whole = epoch_order(sizes, [5, 2], name, 8, np.arange(total))
+    assert sorted(whole.tolist()) == list(range(total))
+    assert np.array_equal(epoch_order(sizes, [5, 2], name, 8, np.arange(total)), whole)
+    picked = np.array([total - 1, 3, 17, 0, 3])
+    assert np.array_equal(get_shuffle(name)(sizes, [5, 2], 8)(picked), whole[picked])
+
+
+def test_shuffle_true_and_false_are_table_entries():
+    assert shuffle_name(True) == "shards-then-window" and shuffle_name(False) == "none"
+    sizes, positions = [5, 9, 3], np.arange(17)
+    for flag in (True, False):
+        assert np.array_equal(epoch_order(sizes, [1, 4], flag, 4, positions),
+                              epoch_order(sizes, [1, 4], shuffle_name(flag), 4, positions))
+    assert not np.array_equal(epoch_order(sizes, [1, 4], True, 4, positions), epoch_order(sizes, [1, 5], True, 4, positions))
+    with pytest.raises(ValueError, match="shuffle must be True, False or one of"):
+        get_shuffle("sideways")

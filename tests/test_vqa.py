@@ -20,7 +20,7 @@ from PIL import Image
 from pipeline import SampleError, make_stream_loader, validate_first_batch
 from pipeline.format import Manifest, pack_record
 from pipeline.rle import fit
-from pipeline.vqa import VqaOptions, check_batch, open_sample
+from pipeline.kinds.vqa import VqaOptions, check_batch, open_sample
 from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, TooManySkipped
 from shard_tools.sample_vqa import write_images, write_vqa

@@ -34,7 +34,7 @@ from pipeline.rle import fit
 
 __all__ = [
     "VqaOptions", "VqaSample", "BATCH_FIELDS", "units", "open_sample", "decode_sample", "collate",
-    "finish", "unbatch", "check_batch",
+    "finish", "unbatch", "check_batch", "Vqa",
 ]
 
 PER = ("question", "image")
@@ -268,3 +268,43 @@ def check_batch(batch: dict[str, Any], options: VqaOptions, epoch: int) -> list[
     if not all(isinstance(q, str) and q and isinstance(a, str) and a for q, a in texts):
         problems.append("questions/answers: empty or not strings")
     return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Vqa:
+    """The VQA kind (`pipeline.kinds.Kind`): its options, and the functions above bound to them."""
+
+    options: VqaOptions
+    grouped = False
+
+    @classmethod
+    def of(cls, manifests: Sequence[Any], limits: Any, *, per: str = "question", image_size: int | None = 448,
+           form: str = "batch") -> Vqa:
+        return cls(VqaOptions(per=per, image_size=image_size, max_image_pixels=limits.max_image_pixels, form=form))
+
+    @classmethod
+    def for_verify(cls, manifest: Any) -> Vqa:
+        """Every image decoded once, every question checked (`shard-pack verify`)."""
+        return cls(VqaOptions(per="image", image_size=256))
+
+    @property
+    def units(self) -> bool:
+        return units(self.options)
+
+    def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> VqaSample:
+        return open_sample(members, self.options, url=url, key=key, units=units)
+
+    def decode(self, sample: VqaSample, *, unit: int, seed: int, epoch: int, url: str, key: str) -> dict[str, Any]:
+        return decode_sample(sample, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key)
+
+    def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any] | list[dict[str, Any]]:
+        return collate(samples, self.options)
+
+    def finish(self, batch: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any] | list[dict[str, Any]]:
+        return finish(batch, self.options)
+
+    def unbatch(self, batch: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return unbatch(batch, self.options)
+
+    def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
+        return check_batch(batch, self.options, epoch)

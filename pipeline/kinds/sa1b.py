@@ -27,6 +27,7 @@ __all__ = [
     "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "unbatch", "check_batch",
     "BATCH_FIELDS",
     "MAX_IMAGE_PIXELS",
+    "Sa1b",
 ]
 
 _MASKS = 3  # SeedSequence purpose, beside the plan's
@@ -256,3 +257,39 @@ def check_batch(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list
     if batch["masks"][~valid].any():
         problems.append("masks: non-zero padding beyond mask_counts")
     return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Sa1b:
+    """The SA-1B kind (`pipeline.kinds.Kind`): its options, and the functions above bound to them."""
+
+    options: Sa1bOptions
+    grouped = False
+    units = False  # one unit per sample: the plan orders samples
+
+    @classmethod
+    def of(cls, manifests: Sequence[Any], limits: Any, **options: Any) -> Sa1b:
+        return cls(Sa1bOptions(max_image_pixels=limits.max_image_pixels, **options))
+
+    @classmethod
+    def for_verify(cls, manifest: Any) -> Sa1b:
+        """Every mask of every sample decoded (`shard-pack verify`)."""
+        return cls(Sa1bOptions(image_size=256, mask_size=64, max_masks=1 << 30))
+
+    def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> dict[str, bytes]:
+        return members
+
+    def decode(self, members: dict[str, bytes], *, unit: int, seed: int, epoch: int, url: str, key: str) -> dict[str, Any]:
+        return decode_sample(members, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key)
+
+    def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
+        return collate(samples, self.options)
+
+    def finish(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return finish(batch, self.options)
+
+    def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        return unbatch(batch, self.options)
+
+    def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
+        return check_batch(batch, self.options, epoch)

@@ -20,7 +20,7 @@ import msgpack.exceptions
 import numpy as np
 import torch
 
-from pipeline.collate import empty
+from pipeline.collate import empty, rows as rows_of
 from pipeline.errors import ManifestError, SampleError
 from pipeline.format import (
     BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, column_offsets, storage_dtype,
@@ -29,7 +29,7 @@ from pipeline.format import (
 
 __all__ = [
     "Field", "EmbeddingsOptions", "Block", "options_from_manifests", "verify_options", "units", "open_block", "decode",
-    "collate", "finish", "check_batch", "TORCH_DTYPES", "value_problem",
+    "collate", "finish", "check_batch", "TORCH_DTYPES", "value_problem", "Embeddings",
 ]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -377,3 +377,39 @@ def check_batch(batch: dict[str, Any], options: EmbeddingsOptions, epoch: int) -
             row, value, what = problem
             problems.append(f"{name}: row {int(rows[row])}: value {value}: {what}")
     return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Embeddings:
+    """The embeddings kind (`pipeline.kinds.Kind`): its options, and the functions above bound to them.
+    Grouped: a batch's rows of one block are decoded together."""
+
+    options: EmbeddingsOptions
+    grouped = True
+    units = True  # a block's rows
+
+    @classmethod
+    def of(cls, manifests: Sequence[Manifest], limits: Any, **options: Any) -> Embeddings:
+        return cls(options_from_manifests(manifests, **options))
+
+    @classmethod
+    def for_verify(cls, manifest: Manifest) -> Embeddings:
+        return cls(verify_options(manifest))
+
+    def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> Block:
+        return open_block(members, self.options, url=url, key=key, units=units)
+
+    def decode(self, block: Block, *, unit: np.ndarray, seed: int, epoch: int, url: str, key: str) -> _Rows:
+        return decode(block, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key)
+
+    def collate(self, pieces: Sequence[_Rows], epoch: int) -> dict[str, Any]:
+        return collate(pieces, self.options)
+
+    def finish(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return finish(batch, self.options)
+
+    def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        return rows_of(batch)
+
+    def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
+        return check_batch(batch, self.options, epoch)

@@ -1,0 +1,96 @@
+"""`LoaderConfig`: every kind-independent setting of a loader, built with keywords and validated on
+construction (the kind's own options, such as `image_size`, belong to the kind: `pipeline.kinds`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipeline.plan import shuffle_name
+from pipeline.storage import Retry
+from pipeline.tario import ReadLimits
+
+__all__ = ["LoaderConfig", "DATALOADER_SETTINGS"]
+
+# The settings of the torch DataLoader that iterates the stream (`make_stream_dataset` leaves them to its user's).
+DATALOADER_SETTINGS = ("num_workers", "device", "pin_memory", "prefetch_factor", "persistent_workers",
+                       "multiprocessing_context")
+
+
+def _at_least(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """Loader settings (see `make_stream_loader` for what each does); `None` for `limits` and `retry`
+    means their defaults."""
+
+    batch_size: int
+    num_workers: int = 0
+    shuffle: bool | str = True  # True: "shards-then-window", False: "none", or a name in `plan.SHUFFLES`
+    seed: int = 0
+    drop_last: bool = True
+    shuffle_window: int = 16384
+    on_error: str = "raise"
+    max_errors: int | float | None = None  # with on_error="skip": more skips in an epoch, or a larger fraction, fail
+    limits: ReadLimits = None  # type: ignore[assignment]  # (None: ReadLimits())
+    unit_cache_bytes: int = 256 << 20  # per worker: samples of several units kept open for their next units
+    retry: Retry = None  # type: ignore[assignment]  # (None: Retry())
+    cache_dir: str | None = None  # with cache_limit: whole shards kept on local disk (see storage.ShardCache)
+    cache_limit: int | None = None
+    read_ahead: int = 1  # batches whose samples are read while the current one decodes
+    read_threads: int = 8  # per worker
+    index_cache_bytes: int = 64 << 20  # per worker and dataset: shard indexes kept (least recently used dropped)
+    verify: str = "size"  # or "sha256": each local shard's content checked once per loader
+    rank: int | None = None  # with world_size; neither: torch.distributed's (see loader.make_stream_loader)
+    world_size: int | None = None
+    storage_options: dict[str, Any] | None = None  # fsspec's, for every source
+    weights: Sequence[float] | None = None  # several sources mixed in these shares
+    epoch_size: int | None = None  # samples per epoch of a mix
+    # The DataLoader's (DATALOADER_SETTINGS):
+    device: str | torch.device | None = None
+    pin_memory: bool | None = None
+    prefetch_factor: int = 2
+    persistent_workers: bool | None = None
+    multiprocessing_context: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            object.__setattr__(self, "limits", ReadLimits())
+        if self.retry is None:
+            object.__setattr__(self, "retry", Retry())
+        for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1),
+                          ("unit_cache_bytes", 0), ("read_ahead", 0), ("read_threads", 1),
+                          ("index_cache_bytes", 0)):
+            _at_least(name, getattr(self, name), low)
+        if not isinstance(self.prefetch_factor, int) or isinstance(self.prefetch_factor, bool) or self.prefetch_factor < 1:
+            raise ValueError("prefetch_factor must be an int >= 1 (batches each worker prepares ahead), "
+                             f"got {self.prefetch_factor!r}")
+        shuffle_name(self.shuffle)
+        if self.verify not in ("size", "sha256"):
+            raise ValueError(f"verify must be 'size' or 'sha256', got {self.verify!r}")
+        if self.on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
+        budget = self.max_errors
+        if not (budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0)
+                or (isinstance(budget, float) and 0 < budget < 1)):
+            raise ValueError(f"max_errors must be None, an int >= 0 or a fraction in (0, 1), got {budget!r}")
+        if (self.cache_dir is None) != (self.cache_limit is None):
+            raise ValueError(f"cache_dir and cache_limit go together, got {self.cache_dir!r} and {self.cache_limit!r}")
+        if (self.rank is None) != (self.world_size is None):
+            raise ValueError(f"rank and world_size go together, got rank={self.rank!r} and world_size="
+                             f"{self.world_size!r}: pass both, or neither to take them from torch.distributed")
+        if self.world_size is not None:
+            _at_least("world_size", self.world_size, 1)
+            _at_least("rank", self.rank, 0)
+
+    @classmethod
+    def split(cls, settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Keywords -> (this config's settings, the rest: the kind's options)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return ({k: v for k, v in settings.items() if k in names}, {k: v for k, v in settings.items() if k not in names})

@@ -1,0 +1,69 @@
+"""The kinds of datasets on the reading side: the `Kind` protocol and the registry, name -> class.
+
+A kind object holds its options (built from the manifests and the user's options by `of`) and
+turns a sample's tar members into batches. A sample may hold several units (rows of a block,
+questions of an image): when `units` is true the plan orders units, the loader opens a sample once
+and decodes its units one by one, or, for a `grouped` kind, all of a batch's units of a sample at
+once (an array of them: the batch holds them together, samples in order of their first unit).
+A new kind is one module here and one entry in `KINDS` (and its name in `format.KIND_NAMES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from pipeline.format import Manifest
+from pipeline.kinds.embeddings import Embeddings
+from pipeline.kinds.sa1b import Sa1b
+from pipeline.kinds.vqa import Vqa
+
+__all__ = ["Kind", "KINDS", "kind_of"]
+
+
+class Kind(Protocol):
+    """What the loader and `shard-pack verify` ask of a kind (see the module docstring)."""
+
+    options: Any  # the kind's frozen options
+    grouped: bool
+    units: bool  # whether the plan orders a sample's units (else: samples)
+
+    @classmethod
+    def of(cls, manifests: Sequence[Manifest], limits: Any, **options: Any) -> Kind:
+        """The kind for these datasets and the user's options (an unknown option: TypeError)."""
+
+    @classmethod
+    def for_verify(cls, manifest: Manifest) -> Kind:
+        """The kind with options that decode everything a sample holds (`shard-pack verify`)."""
+
+    def open(self, members: dict[str, Any], *, url: str, key: str, units: int) -> Any:
+        """A sample's members -> what `decode` takes (checked against the `units` the index says)."""
+
+    def decode(self, opened: Any, *, unit: Any, seed: int, epoch: int, url: str, key: str) -> Any:
+        """One unit (or, grouped, an array of units) of an opened sample, as `collate` takes it."""
+
+    def collate(self, samples: Sequence[Any], epoch: int) -> Any:
+        """Decoded samples -> a batch in transit (in a worker)."""
+
+    def finish(self, batch: Any) -> Any:
+        """A batch in transit -> the batch users get (after the device copy)."""
+
+    def unbatch(self, batch: Any) -> list[dict[str, Any]]:
+        """A finished batch's samples, padding trimmed."""
+
+    def check(self, batch: Any, epoch: int) -> list[str]:
+        """Problems of a finished batch (keys, shapes, dtypes, ranges); none: []."""
+
+
+KINDS: dict[str, type[Kind]] = {"sa1b": Sa1b, "vqa": Vqa, "embeddings": Embeddings}
+
+
+def kind_of(manifests: Sequence[Manifest], limits: Any, **options: Any) -> Kind:
+    """The kind of these datasets (all of one kind) with the user's options; an option the kind does
+    not take is refused with its name."""
+    name = manifests[0].kind
+    try:
+        return KINDS[name].of(manifests, limits, **options)
+    except TypeError as exc:  # an option this kind does not have
+        raise ValueError(f"{name} datasets do not take these options {sorted(options)}, nor are they loader "
+                         f"settings (see LoaderConfig): {exc}") from exc

@@ -1,0 +1,182 @@
+"""The read stage: samples' bytes fetched in reader threads ahead of their use, checked (shard size,
+sample size, tar members), and samples of several units kept open for their next units.
+
+It knows nothing of kinds: it parses a sample's tar members and hands them to the `open` function
+it is given (the kind's), and keeps what that returns."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.config import LoaderConfig
+from pipeline.errors import ShardError
+from pipeline.format import ShardIndex, ShardInfo
+from pipeline.index import SplitIndex, Where
+from pipeline.storage import ShardCache, ShardReader, join
+from pipeline.tario import parse_sample
+
+__all__ = ["Opened", "ProcessReaders", "SampleReads"]
+
+Open = Callable[[dict[str, Any], str, str, int], Any]  # (members, url, key, units) -> an opened sample
+
+
+class Opened(collections.OrderedDict[Where, tuple[Any, int, str, str]]):
+    """Samples of several units kept open for their next units, (sample, bytes, url, key) each: the
+    least recently used go past `limit` bytes or `count` samples (but the newest)."""
+
+    def __init__(self, limit: int, count: int = 1 << 16) -> None:
+        super().__init__()
+        self.limit, self.count, self.held = limit, count, 0
+
+    def keep(self, where: Where, entry: tuple[Any, int, str, str]) -> None:
+        self[where] = entry
+        self.held += entry[1]
+        while (self.held > self.limit or len(self) > self.count) and len(self) > 1:
+            self.held -= self.popitem(last=False)[1][1]
+
+
+class ProcessReaders:
+    """A process's shard readers (one per source) and open samples: made in the process that reads
+    (filesystems are not fork-safe) and kept for its later iterations (a client costs ~0.1-0.3 s to
+    make, and a sample opened again costs its checks again)."""
+
+    def __init__(self, sources: Sequence[SplitIndex], config: LoaderConfig, verified: torch.Tensor | None) -> None:
+        self.sources, self.config, self.verified = sources, config, verified
+        self.pid: int | None = None
+        self.readers: list[ShardReader] = []
+        self.opened = Opened(config.unit_cache_bytes)
+
+    def get(self) -> tuple[list[ShardReader], Opened]:
+        if self.pid != os.getpid():
+            cfg = self.config
+            cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir is not None else None
+            tables: list[Any] = [None] * len(self.sources)
+            if self.verified is not None:
+                ends = np.cumsum([len(s.split) for s in self.sources]).tolist()
+                table = self.verified.numpy()
+                tables = [(table[end - len(s.split) : end], s.split.names) for s, end in zip(self.sources, ends)]
+            self.readers = [ShardReader(s.root, cfg.storage_options, cfg.retry, cache, verified, cfg.index_cache_bytes)
+                            for s, verified in zip(self.sources, tables)]
+            self.opened = Opened(cfg.unit_cache_bytes)
+            self.pid = os.getpid()
+        return self.readers, self.opened
+
+    def lease_problem(self) -> ShardError | None:
+        """A mapped shard that another process is rewriting in place, named (see
+        `ShardReader.check_leases`); the samples opened from any shard are dropped then."""
+        if self.pid != os.getpid():
+            return None
+        problems = [p for reader in self.readers for p in reader.check_leases()]
+        if not problems:
+            return None
+        self.opened = Opened(self.config.unit_cache_bytes)
+        more = f" (and {len(problems) - 1} more shards)" if len(problems) > 1 else ""
+        return ShardError(problems[0][0], problems[0][1] + more)
+
+    def __getstate__(self) -> dict[str, Any]:  # (spawned workers make their own readers)
+        return {**self.__dict__, "pid": None, "readers": [], "opened": None}
+
+
+class SampleReads:
+    """One iteration's reads: each sample's bytes asked for once (`ahead`), in `read_threads` threads,
+    with its shard's size checked beside the first one; `take` waits for a sample and opens it."""
+
+    def __init__(self, sources: Sequence[SplitIndex], readers: list[ShardReader], opened: Opened,
+                 config: LoaderConfig, open: Open) -> None:
+        self.sources, self.readers, self.opened, self.limits, self.open = sources, readers, opened, config.limits, open
+        self.pool = concurrent.futures.ThreadPoolExecutor(config.read_threads, thread_name_prefix="shardstream-read")
+        self.sized: dict[tuple[int, int], concurrent.futures.Future[None]] = {}  # shards' size checks
+        self.inflight: dict[Where, concurrent.futures.Future[bytes | memoryview]] = {}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def unit_starts(self, number: int, shards: list[int]) -> dict[int, np.ndarray]:
+        """The first unit of each sample of these shards of source `number`, from their indexes
+        (fetched at the same time when not held yet)."""
+        source, reader = self.sources[number], self.readers[number]
+        missing = [source.split[i] for i in shards if not reader.holds_index(source.split.names[i])]
+        if len(missing) > 1:
+            list(self.pool.map(reader.index, missing))
+        return {i: reader.index(source.split[i]).unit_starts for i in shards}
+
+    def ahead(self, wheres: list[Where]) -> None:
+        """Ask for these samples' bytes, but for those open or asked for already."""
+        for where in wheres:
+            if where not in self.opened and where not in self.inflight:
+                self._submit(where)
+
+    def _submit(self, where: Where) -> None:
+        """Ask for a sample's bytes and, the first time in this iteration, beside them for its shard's
+        size: a shard replaced or cut since packing is named at once (the cache checks cached shards'
+        SHA-256 instead)."""
+        number, sample = where
+        reader = self.readers[number]
+        shard, _ = self.sources[number].where(sample)
+        if reader.cache is None and (number, shard) not in self.sized:
+            self.sized[(number, shard)] = self.pool.submit(self._check_size, number, sample)
+        self.inflight[where] = self.pool.submit(self._read, where)
+
+    def _sample(self, where: Where) -> tuple[int, ShardInfo, ShardIndex, int]:
+        """(shard number, the shard, its index, the sample's place in it)."""
+        source = self.sources[where[0]]
+        shard, at = source.where(where[1])
+        info = source.split[shard]
+        return shard, info, self.readers[where[0]].index(info), at
+
+    def _check_size(self, number: int, sample: int) -> None:
+        _, info, index, at = self._sample((number, sample))
+        size = self.readers[number].size(info.name, index.key(at))
+        if size != info.bytes:
+            raise ShardError(join(self.sources[number].root, info.name), f"sample {index.key(at)!r}: shard is {size} "
+                             f"bytes, the manifest says {info.bytes}")
+
+    def _read(self, where: Where) -> bytes | memoryview:
+        """One sample's bytes (in a reader thread)."""
+        _, info, index, at = self._sample(where)
+        key, (start, end) = index.key(at), index.span(at)
+        if end - start > self.limits.max_sample_bytes:
+            raise ShardError(join(self.sources[where[0]].root, info.name), f"sample {key!r} spans {end - start} bytes, "
+                             f"more than max_sample_bytes={self.limits.max_sample_bytes}")
+        return self.readers[where[0]].read(info.name, info.bytes, info.sha256, start, end, key)
+
+    def take(self, where: Where) -> tuple[Any, str, str]:
+        """(the opened sample, its shard's URL, its key); a sample of several units is opened once and
+        kept (LRU, by bytes) for the rest."""
+        opened = self.opened
+        if where in opened:
+            opened.move_to_end(where)
+            sample, _, url, key = opened[where]
+            return sample, url, key
+        number = where[0]
+        source = self.sources[number]
+        shard, info, index, at = self._sample(where)
+        url, key = join(source.root, info.name), index.key(at)
+        if where not in self.inflight:  # (dropped from the open samples since its read was asked for)
+            self._submit(where)
+        future = self.inflight.pop(where)
+        if (number, shard) in self.sized:
+            self.sized[(number, shard)].result()
+        data = future.result()
+        units = int(index.units[at])
+        sample = self.open(parse_sample(data, url, key, self.limits), url, key, units)
+        if units > 1 and source.by_units:
+            # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
+            opened.keep(where, (sample, len(data) if isinstance(data, bytes) else 0, url, key))
+        return sample, url, key
+
+    def start_downloads(self) -> None:
+        for reader in self.readers:
+            reader.start_downloads()
+
+    def settle(self) -> None:
+        for reader in self.readers:
+            reader.start_downloads()  # (an iteration of no batch)
+            reader.settle()

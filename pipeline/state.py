@@ -1,0 +1,77 @@
+"""Where a loader stands: the epoch and its resumption history, shared with the DataLoader workers,
+and what a saved state (`StreamLoader.state_dict`) must share with the loader that resumes it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipeline.format import Manifest
+from pipeline.plan import Resume
+
+__all__ = ["EpochState", "STATE_VERSION", "ORDER_SETTINGS", "fingerprint", "resume_point"]
+
+STATE_VERSION = 3  # 3: the mixed order is windowed (a state of an earlier mixed epoch would not resume exactly)
+MAX_STRETCHES = 16  # resumptions within one epoch
+# Settings a saved state must share with the loader that resumes it: they decide the samples' order.
+ORDER_SETTINGS = ("seed", "batch_size", "drop_last", "shuffle", "shuffle_window")
+
+
+class EpochState:
+    """The epoch the next iteration plays and its resumption history (`Resume` stretches), in shared
+    memory: set by the main process, read by the workers (forked or spawned)."""
+
+    def __init__(self) -> None:
+        # The epoch, the number of stretches, then world_size and batches of each stretch.
+        self.shared = torch.zeros(2 + 2 * MAX_STRETCHES, dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self.shared[0])
+
+    @property
+    def history(self) -> tuple[Resume, ...]:
+        pairs = self.shared[2 : 2 + 2 * int(self.shared[1])].tolist()
+        return tuple(Resume(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
+
+    def set(self, epoch: int, history: Sequence[Resume] = ()) -> None:
+        if len(history) > MAX_STRETCHES:
+            raise ValueError(f"an epoch can be resumed at most {MAX_STRETCHES} times")
+        values = [epoch, len(history)] + [v for h in history for v in (h.world_size, h.batches)]
+        self.shared.zero_()
+        self.shared[: len(values)] = torch.tensor(values, dtype=torch.int64)
+
+    def set_epoch(self, epoch: int) -> bool:
+        """Play `epoch` from its beginning next, unless it is the current one (which keeps a
+        resumption point); whether it changed."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        if epoch == self.epoch:
+            return False
+        self.set(epoch, ())
+        return True
+
+
+def fingerprint(manifests: Sequence[Manifest], mix_counts: Sequence[int] | None) -> str:
+    """The datasets a state is of and, when mixing, each one's share."""
+    if len(manifests) == 1:
+        return manifests[0].fingerprint
+    return hashlib.sha256(json.dumps([[m.fingerprint for m in manifests], mix_counts]).encode()).hexdigest()
+
+
+def resume_point(state: dict[str, Any], identity: dict[str, Any]) -> tuple[int, tuple[Resume, ...]]:
+    """(epoch, history) of a saved state, refused when it is of another dataset, split or order than
+    `identity` says, or malformed."""
+    for name, value in identity.items():
+        if state.get(name) != value:
+            raise ValueError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
+    try:
+        history = tuple(Resume(int(w), int(b)) for w, b in state["history"])
+        epoch = int(state["epoch"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"cannot resume: malformed state ({exc})") from exc
+    return epoch, history

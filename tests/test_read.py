@@ -1,0 +1,74 @@
+"""pipeline.read alone: samples read ahead through real shard readers, opened by a given function,
+kept open by bytes, and checked against the limits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline import LoaderConfig, ShardError
+from pipeline.format import EMB_DATA, EMB_TABLE
+from pipeline.index import SplitIndex
+from pipeline.read import Opened, ProcessReaders, SampleReads
+from pipeline.storage import read_manifest
+from pipeline.tario import ReadLimits
+from shard_tools.embeddings import pack_embeddings
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory):
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("emb") / "out"
+    np.save(src / "x.npy", np.arange(64, dtype=np.float32).reshape(16, 4))
+    (src / "schema.json").write_text(json.dumps({"fields": {"x": {"file": "x.npy"}}}))
+    pack_embeddings(str(src), str(out), rows_per_block=4, progress=False)
+    manifest = read_manifest(str(out))
+    return str(out), manifest
+
+
+def _reads(blocks, **settings):
+    root, manifest = blocks
+    sources = [SplitIndex.of(root, manifest, "train", by_units=True)]
+    config = LoaderConfig(batch_size=1, **settings)
+    opened_log = []
+
+    def open_(members, url, key, units):
+        opened_log.append(key)
+        return sorted(members), units
+
+    readers, opened = ProcessReaders(sources, config, None).get()
+    return SampleReads(sources, readers, opened, config, open_), opened_log
+
+
+def test_samples_are_read_ahead_opened_once_and_kept(blocks):
+    reads, opened_log = _reads(blocks)
+    samples = int(blocks[1].splits["train"].samples)
+    try:
+        reads.ahead([(0, s) for s in range(samples)])
+        for s in list(range(samples)) * 2:  # the second pass comes from the open samples
+            (members, units), url, key = reads.take((0, s))
+            assert members == sorted([EMB_DATA, EMB_TABLE])
+            assert units == 4 and url.endswith(".tar")
+        assert len(opened_log) == samples and len(reads.opened) == samples
+        assert reads.unit_starts(0, [0]) == {0: reads.readers[0].index(blocks[1].splits["train"][0]).unit_starts}
+    finally:
+        reads.close()
+
+
+def test_a_sample_over_the_size_limit_is_named(blocks):
+    reads, _ = _reads(blocks, limits=ReadLimits(max_sample_bytes=64))
+    try:
+        with pytest.raises(ShardError, match="more than max_sample_bytes=64"):
+            reads.take((0, 0))
+    finally:
+        reads.close()
+
+
+def test_open_samples_are_dropped_past_their_bytes():
+    opened = Opened(limit=10)
+    for i, size in enumerate([4, 4, 4, 20]):
+        opened.keep((0, i), (i, size, "url", f"k{i}"))
+        if i == 2:
+            assert list(opened) == [(0, 1), (0, 2)] and opened.held == 8
+    assert list(opened) == [(0, 3)] and opened.held == 20  # the newest stays, whatever its size
