@@ -25,7 +25,7 @@ from pipeline.errors import ManifestError, ShardError, ShardstreamError
 from pipeline.format import Manifest, ShardIndex, ShardInfo, Split
 from pipeline.kinds import KINDS, Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_batch_count, rank_sample_count
-from pipeline.storage import Retry, ShardCache, ShardReader, filesystem, is_local, join, read_manifest
+from pipeline.storage import Retry, ShardCache, ShardReader, filesystem, is_local, read_manifest, shard_url
 from pipeline.tario import ReadLimits, parse_sample
 
 __all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "make_stream_dataset", "validate_first_batch"]
@@ -382,7 +382,7 @@ class _ShardStream(IterableDataset):
         _, info, index, at = self._sample(reader, (number, sample))
         size = reader.size(info.name, index.key(at))
         if size != info.bytes:
-            raise ShardError(join(self.sources[number].root, info.name), f"sample {index.key(at)!r}: shard is {size} "
+            raise ShardError(shard_url(self.sources[number].root, info.name), f"sample {index.key(at)!r}: shard is {size} "
                              f"bytes, the manifest says {info.bytes}")
 
     def _read(self, reader: ShardReader, where: _Where) -> bytes | memoryview:
@@ -391,7 +391,7 @@ class _ShardStream(IterableDataset):
         key, (start, end) = index.key(at), index.span(at)
         limits = self.config.limits
         if end - start > limits.max_sample_bytes:
-            raise ShardError(join(self.sources[where[0]].root, info.name), f"sample {key!r} spans {end - start} bytes, "
+            raise ShardError(shard_url(self.sources[where[0]].root, info.name), f"sample {key!r} spans {end - start} bytes, "
                              f"more than max_sample_bytes={limits.max_sample_bytes}")
         return reader.read(info.name, info.bytes, info.sha256, start, end, key)
 
@@ -407,7 +407,7 @@ class _ShardStream(IterableDataset):
         number = where[0]
         source = self.sources[number]
         shard, info, index, at = self._sample(reader, where)
-        url, key = join(source.root, info.name), index.key(at)
+        url, key = shard_url(source.root, info.name), index.key(at)
         if where not in inflight:  # (dropped from the open samples since its read was asked for)
             self._submit(pool, reader, where, sized, inflight)
         future = inflight.pop(where)
@@ -415,8 +415,9 @@ class _ShardStream(IterableDataset):
             sized[(number, shard)].result()
         data = future.result()
         units = int(index.units[at])
-        sample = self.kind.open(parse_sample(data, url, key, self.config.limits), self.options, url=url, key=key,
-                                units=units)
+        members = index.sample_members(at) if index.members is not None else None  # (checked where the index says)
+        sample = self.kind.open(parse_sample(data, url, key, self.config.limits, members, index.span(at)[0]), self.options,
+                                url=url, key=key, units=units)
         if units > 1 and source.by_units:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
             opened.keep(where, (sample, len(data) if isinstance(data, bytes) else 0, url, key))
@@ -691,12 +692,14 @@ def make_stream_loader(
         shards = manifest.splits[split]
         if len(shards) and shards.shard_bytes.max() > limits.max_shard_bytes:
             name = shards.names[int(shards.shard_bytes.argmax())]
-            raise ManifestError(join(root, name), f"{shards.shard_bytes.max()} bytes, more than "
+            raise ManifestError(shard_url(root, name), f"{shards.shard_bytes.max()} bytes, more than "
                                 f"max_shard_bytes={limits.max_shard_bytes}")
     if cache_limit is not None:
         largest = max((int(m.splits[split].shard_bytes.max(initial=0)) for m in manifests), default=0)
         if cache_limit < largest:
             raise ValueError(f"cache_limit={cache_limit} cannot hold the largest shard of split {split!r} ({largest} bytes)")
+    if manifests[0].kind not in KINDS:  # (`webdataset`: indexed by `shard-pack index`, its reading side comes later)
+        raise ValueError(f"{roots[0]}: the loader cannot read kind {manifests[0].kind!r} yet; it reads {sorted(KINDS)}")
     kind = KINDS[manifests[0].kind]
     try:
         kind_options = kind.options(manifests, limits, **options)

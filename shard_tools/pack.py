@@ -238,11 +238,11 @@ class PackSummary:
 class _Progress:
     """A tqdm bar on a terminal; otherwise a plain log line at most every `every` seconds."""
 
-    def __init__(self, total: int, enabled: bool, every: float = 10.0) -> None:
-        self.total, self.done, self.every = total, 0, every
+    def __init__(self, total: int, enabled: bool, every: float = 10.0, unit: str = "img", verb: str = "packed") -> None:
+        self.total, self.done, self.every, self.verb, self.unit = total, 0, every, verb, unit
         self.start = self.last = time.monotonic()
         tty = enabled and sys.stderr.isatty()
-        self.bar = tqdm(total=total, unit="img", smoothing=0.1, dynamic_ncols=True) if tty else None
+        self.bar = tqdm(total=total, unit=unit, smoothing=0.1, dynamic_ncols=True) if tty else None
         self.enabled = enabled
 
     def update(self, n: int) -> None:
@@ -255,7 +255,8 @@ class _Progress:
             self.last = now
             rate = self.done / max(now - self.start, 1e-9)
             eta = (self.total - self.done) / rate if rate else float("inf")
-            log.info("packed %d/%d samples (%.1f/s, ETA %.0f s)", self.done, self.total, rate, eta)
+            log.info("%s %d/%d %s (%.1f/s, ETA %.0f s)", self.verb, self.done, self.total,
+                     "samples" if self.unit == "img" else self.unit, rate, eta)
 
     def close(self) -> None:
         if self.bar is not None:

