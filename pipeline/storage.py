@@ -640,6 +640,9 @@ class ShardReader:
                 raise ShardError(url, f"sample {key!r}: shard is {actual} bytes, shorter than the sample's range "
                                  f"({start}-{end})")
             return data
+        if self._verified is not None:  # (an archive indexed in place, on object storage under a local dataset)
+            raise ShardError(url, f"sample {key!r}: verify='sha256' checks shards on local disk; this one is on object "
+                             "storage (`shard-pack verify` checks it)")
         return read_range(fs, path, url, start, end, key, self.retry)
 
     def _verify(self, name: str, path: str, url: str, sha256: str) -> None:

@@ -240,7 +240,7 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
         if kind in (b"x", b"g", b"L", b"K"):
             if size > _MAX_EXTENDED:
                 raise ShardError(url, f"extended header of {size} bytes at byte {pos}, more than {_MAX_EXTENDED}")
-            payload = _read_exactly(read, padded, url, pos)[:size]
+            payload = _read_exactly(read, padded, url, f"the extended header at byte {pos}")[:size]
             if kind == b"g" and (b" path=" in payload or b" size=" in payload):
                 raise ShardError(url, f"a pax global header at byte {pos} sets names or sizes: not indexed")
             if kind in (b"L", b"x") and (kind == b"L" or b" path=" in payload or b" size=" in payload):
@@ -257,8 +257,9 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
         elif size > limits.max_member_bytes:
             problem = f"{size} bytes, more than max_member_bytes={limits.max_member_bytes}"
         take = problem is None and wanted(name)
-        data = _read_exactly(read, size, url, pos) if take else None
-        _skip(read, padded - size if take else padded, url, pos)
+        where = f"member {name!r} ({size} bytes at byte {pos})"
+        data = _read_exactly(read, size, url, where) if take else None
+        _skip(read, padded - size if take else padded, url, where)
         yield ArchiveMember(extended or name, pos, size, problem, data, kind == b"5")
         pos, extended = pos + BLOCK + padded, ""
 
@@ -272,13 +273,13 @@ def _pax_path(payload: bytes, name: str) -> str:
     return name
 
 
-def _read_exactly(read: Callable[[int], bytes], size: int, url: str, pos: int) -> bytes:
+def _read_exactly(read: Callable[[int], bytes], size: int, url: str, where: str) -> bytes:
     data = read(size)
     if len(data) < size:
-        raise ShardError(url, f"archive ends inside the member at byte {pos} (truncated?)")
+        raise ShardError(url, f"archive ends inside {where} (truncated?)")
     return data
 
 
-def _skip(read: Callable[[int], bytes], size: int, url: str, pos: int) -> None:
+def _skip(read: Callable[[int], bytes], size: int, url: str, where: str) -> None:
     while size:
-        size -= len(_read_exactly(read, min(size, 1 << 22), url, pos))
+        size -= len(_read_exactly(read, min(size, 1 << 22), url, where))

@@ -39,7 +39,7 @@ __all__ = ["IndexSummary", "index_archives", "index_sa1b", "index_webdataset"]
 log = logging.getLogger(__name__)
 _READ_BLOCK = 16 << 20  # archives are read in blocks of this size
 _LIMITS = ReadLimits()  # what the loader will accept of a sample: spans and member sizes beyond are skipped here
-Members = list[tuple[str, int, int]]  # (extension, header offset, size), in archive order
+_Members = list[tuple[str, int, int]]  # (extension, header offset, size), in archive order
 
 
 @dataclasses.dataclass
@@ -67,7 +67,7 @@ class _Scanned:
 
     bytes: int
     sha256: str
-    samples: list[tuple[str, Members]]
+    samples: list[tuple[str, _Members]]
     skipped: list[dict[str, str]]
     ignored: int
     counts: dict[str, int]
@@ -94,7 +94,7 @@ def _members(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str,
 
 
 def _sa1b_samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]], ignored: list[int],
-                  counts: dict[str, int]) -> list[tuple[str, Members]]:
+                  counts: dict[str, int]) -> list[tuple[str, _Members]]:
     """Each archive's jpg/json pairs, wherever in the archive either lies, checked as packing checks them."""
     pending: dict[str, dict[str, ArchiveMember]] = {}  # the member whose partner has not come yet
     held, done, samples = 0, set(), []
@@ -132,7 +132,7 @@ def _sa1b_samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict
 
 
 def _sa1b_pair(url: str, key: str, entry: dict[str, ArchiveMember],
-               skipped: list[dict[str, str]]) -> tuple[str, Members, int] | None:
+               skipped: list[dict[str, str]]) -> tuple[str, _Members, int] | None:
     """(key, members, masks) of a pair that packing would accept, else None (the reason skipped)."""
     jpg, meta = entry[SA1B_JPG], entry[SA1B_JSON]
     members = sorted([(ext, m.offset, m.size) for ext, m in entry.items()], key=lambda m: m[1])
@@ -151,10 +151,10 @@ def _sa1b_pair(url: str, key: str, entry: dict[str, ArchiveMember],
 
 
 def _webdataset_samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]],
-                        ignored: list[int], counts: dict[str, int]) -> list[tuple[str, Members]]:
+                        ignored: list[int], counts: dict[str, int]) -> list[tuple[str, _Members]]:
     """Consecutive members of one key form a sample, as webdataset groups them; a sample holding a member
     that cannot be indexed is skipped whole, named."""
-    samples: list[tuple[str, Members]] = []
+    samples: list[tuple[str, _Members]] = []
     seen: set[str] = set()
     group: list[ArchiveMember] = []
     group_key, bad = "", ""
@@ -207,7 +207,7 @@ def _ext_ok(ext: str) -> bool:
     return True
 
 
-_KINDS: dict[str, tuple[Callable[..., list[tuple[str, Members]]], Callable[[str], bool]]] = {
+_KINDS: dict[str, tuple[Callable[..., list[tuple[str, _Members]]], Callable[[str], bool]]] = {
     "sa1b": (_sa1b_samples, lambda name: name.endswith((f".{SA1B_JPG}", f".{SA1B_JSON}"))),
     WEBDATASET: (_webdataset_samples, lambda name: False),  # (headers only: the user's decode checks the bytes)
 }
@@ -327,7 +327,7 @@ def _write(kind: str, urls: list[str], names: list[str], scanned: list[_Scanned]
     tables: dict[str, list[tuple[ShardInfo, bytes]]] = {name: [] for name, _ in splits}
     exts: set[str] = set()
     for number, (url, name, result) in enumerate(zip(urls, names, scanned)):
-        by_split: dict[str, list[tuple[str, Members]]] = {}
+        by_split: dict[str, list[tuple[str, _Members]]] = {}
         for key, members in result.samples:
             if key in seen:
                 skipped.append(_skip(url, f"{key}.{members[0][0]}", key, f"duplicate key {key!r} (in an earlier archive); "
@@ -347,7 +347,8 @@ def _write(kind: str, urls: list[str], names: list[str], scanned: list[_Scanned]
             log.error("skipped %s", s["reason"])
         raise TooManySkipped(f"{len(skipped)} samples skipped, more than --max-skipped {max_skipped}; nothing was written")
     if not seen:
-        raise PackError(f"no sample found in {len(urls)} archives: nothing to index")
+        why = f" ({len(skipped)} skipped, the first: {skipped[0]['reason']})" if skipped else ""
+        raise PackError(f"no sample found in {len(urls)} archives, {urls[0]}...{why}: nothing to index")
     options = {"splits": [list(s) for s in splits]}
     fingerprint = hashlib.sha256(json.dumps([kind, options, names, [(r.bytes, r.sha256) for r in scanned]]).encode())
     manifest = Manifest(kind, {split: [info for info, _ in table] for split, table in tables.items()}, options,
