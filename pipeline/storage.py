@@ -44,8 +44,8 @@ from pipeline.errors import ManifestError, ShardError, ShardIndexError
 from pipeline.format import MANIFEST_NAME, MAX_INDEX_BYTES, Manifest, ShardIndex, ShardInfo
 
 __all__ = [
-    "MAX_MANIFEST_BYTES", "PIECE_BYTES", "Retry", "ShardCache", "ShardReader", "join", "shard_url", "filesystem", "is_local", "read_manifest",
-    "read_index", "read_range", "shard_indexes", "sha256_file", "with_retries", "write_bytes",
+    "MAX_MANIFEST_BYTES", "PIECE_BYTES", "Retry", "ShardCache", "ShardReader", "join", "filesystem", "is_local", "read_manifest",
+    "read_index", "shard_url", "read_range", "shard_indexes", "sha256_file", "with_retries", "write_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -570,7 +570,7 @@ class ShardReader:
         self._storage_options = storage_options
         self._places: dict[str, tuple[fsspec.AbstractFileSystem, str, str]] = {}
 
-    def place(self, name: str) -> tuple[fsspec.AbstractFileSystem, str, str]:
+    def _place(self, name: str) -> tuple[fsspec.AbstractFileSystem, str, str]:
         """(filesystem, path, URL) of a shard: in the dataset's folder, or where its absolute name says
         (an archive indexed in place: another bucket, or object storage under a local dataset)."""
         found = self._places.get(name)
@@ -604,7 +604,7 @@ class ShardReader:
 
     def size(self, name: str, key: str) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages)."""
-        fs, path, url = self.place(name)
+        fs, path, url = self._place(name)
         try:
             return with_retries(self.retry, url, lambda: fs.size(path))
         except FileNotFoundError as exc:
@@ -615,7 +615,7 @@ class ShardReader:
     def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str) -> bytes | memoryview:
         """Bytes [start, end) of a shard: a view of the file mapped in memory when it is on local disk
         (in place or in the cache: no copy), else read by range."""
-        fs, path, url = self.place(name)
+        fs, path, url = self._place(name)
         if self.cache is not None:
             local = self.cache.lookup(url, sha256)
             if local is not None:
@@ -767,7 +767,7 @@ class ShardReader:
 
     def _download(self, name: str, size: int, sha256: str) -> None:
         assert self.cache is not None
-        cache, (fs, path, url) = self.cache, self.place(name)
+        cache, (fs, path, url) = self.cache, self._place(name)
         with self._lock:
             if not self._started:
                 self._waiting[name] = (size, sha256)

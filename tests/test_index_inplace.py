@@ -13,12 +13,14 @@ import uuid
 import numpy as np
 import pytest
 import s3fs
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 import webdataset
 
 from pipeline import make_stream_loader
 from pipeline.errors import SampleError, ShardError, ShardstreamError
-from pipeline.format import Manifest
+from pipeline.format import Manifest, parse_json
 from pipeline.sa1b import Sa1bOptions, unbatch
 from pipeline.storage import read_manifest
 from shard_tools.cli import main
@@ -314,6 +316,8 @@ def test_index_archives_on_s3(server, sa1b_src, tmp_path):
     assert read_manifest(str(out)).splits["train"].names == [f"s3://{bucket}/sa1b/sa_000000.tar",
                                                              f"s3://{bucket}/sa1b/sa_000001.tar"]
     _assert_same(_by_key(str(out), storage_options=options), expected)
+    with pytest.raises(ShardError, match="verify='sha256' checks shards on local disk; this one is on object storage"):
+        _by_key(str(out), storage_options=options, verify="sha256")
     # Dataset folder on S3 beside its archives: named relative to it.
     remote = f"s3://{bucket}/sa1b"
     index_sa1b([remote], remote, progress=False, storage_options=options)
@@ -334,3 +338,25 @@ def test_hostile_json_in_an_indexed_archive_is_a_named_sample_error(sa1b_src, tm
                                           "deeper than 32 levels"):
         _by_key(str(out))
     assert len(_by_key(str(out), on_error="skip")) == 13
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab\n\u00e9'),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='[{"\\x'), inner, max_size=3),
+                     max_leaves=60)
+
+
+def _nesting(value) -> int:
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    return 0 if children is None else 1 + max(map(_nesting, children), default=0)
+
+
+@given(_JSON, st.integers(1, 8))
+def test_json_is_parsed_within_its_nesting_limit(value, limit):
+    text = json.dumps(value, ensure_ascii=False).encode()
+    if _nesting(value) <= limit:
+        assert parse_json(text, max_depth=limit) == value
+    else:
+        with pytest.raises(ValueError, match=f"nested deeper than {limit} levels"):
+            parse_json(text, max_depth=limit)
+    with pytest.raises(ValueError, match="more than the limit"):
+        parse_json(text, max_bytes=len(text) - 1)
