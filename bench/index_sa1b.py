@@ -1,6 +1,6 @@
 """`shard-pack index sa1b` (the archives indexed in place) against `shard-pack sa1b` (packed into
-new shards) on the SA-1B bench data (1500x2250 images, `sa1b_loader.prepare`): both every pair
-checked the same way; rounds alternate, medians printed.
+new shards of 32 images, as `sa1b_loader.prepare` packs them) on the SA-1B bench data (1500x2250
+images, 8 per archive): both check every pair the same way; rounds alternate, medians printed.
 
     python bench/index_sa1b.py [--images 128] [--rounds 3] [--workers 2]
 """
@@ -21,7 +21,8 @@ from sa1b_loader import prepare
 
 def _run(args: list[str]) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "shard_tools.cli", "-q", *args], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "shard_tools.cli", "-q", *args], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
     return time.perf_counter() - start
 
 
@@ -39,7 +40,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=src.parent) as out:
             workers = ["--workers", str(args.workers)]
             times["index"].append(_run(["index", "sa1b", str(src), os.path.join(out, "indexed"), *workers]))
-            times["pack"].append(_run(["sa1b", str(src), os.path.join(out, "packed"), *workers]))
+            times["pack"].append(_run(["sa1b", str(src), os.path.join(out, "packed"), "--shard-samples", "32", *workers]))
             shutil.rmtree(out, ignore_errors=True)
     print(f"{args.images} images in {archives} archives, {size / 1e6:.0f} MB, {args.workers} workers, "
           f"{args.rounds} rounds (medians, each including the CLI's start)")

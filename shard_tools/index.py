@@ -14,7 +14,9 @@ A key already seen (in an earlier archive, or earlier in the same one) is skippe
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -26,12 +28,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from pipeline.errors import PackError, SampleError, ShardError, TooManySkipped
+from pipeline.errors import InputError, PackError, SampleError, ShardError, TooManySkipped
 from pipeline.format import (MANIFEST_NAME, SA1B_JPG, SA1B_JSON, WEBDATASET, IndexInfo, Manifest, ShardIndex, ShardInfo,
                              check_ext, check_key, check_shard_name)
 from pipeline.storage import filesystem, is_local, join, read_manifest, write_bytes
 from pipeline.tario import BLOCK, ArchiveMember, ReadLimits, scan_archive
-from shard_tools.pack import _exit_with_parent, _Progress, split_of
+from shard_tools.pack import PackOptions, _exit_with_parent, _Progress, split_of
 from shard_tools.sa1b import check_pair
 
 __all__ = ["IndexSummary", "index_archives", "index_sa1b", "index_webdataset"]
@@ -78,13 +80,13 @@ def _skip(url: str, member: str, key: str, reason: str) -> dict[str, str]:
 
 
 def _members(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]],
-             ignored: list[int]) -> Iterator[tuple[ArchiveMember, str, str]]:
+             counts: dict[str, int]) -> Iterator[tuple[ArchiveMember, str, str]]:
     """(member, key, extension) of each regular file with a flat name; the rest skipped or ignored."""
     for member in scanned:
         name = member.name.removeprefix("./")
         key, dot, ext = name.partition(".")
         if member.directory:
-            ignored[0] += 1
+            counts["ignored"] += 1
         elif member.problem is not None or "/" in name or not dot:
             why = member.problem or ("in a folder inside the archive: only flat names are indexed" if "/" in name
                                      else "no extension")
@@ -93,14 +95,14 @@ def _members(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str,
             yield member, key, ext
 
 
-def _sa1b_samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]], ignored: list[int],
+def _sa1b_samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]],
                   counts: dict[str, int]) -> list[tuple[str, _Members]]:
     """Each archive's jpg/json pairs, wherever in the archive either lies, checked as packing checks them."""
     pending: dict[str, dict[str, ArchiveMember]] = {}  # the member whose partner has not come yet
     held, done, samples = 0, set(), []
-    for member, key, ext in _members(url, scanned, skipped, ignored):
+    for member, key, ext in _members(url, scanned, skipped, counts):
         if ext not in (SA1B_JPG, SA1B_JSON):
-            ignored[0] += 1
+            counts["ignored"] += 1
             continue
         try:
             check_key(key)
@@ -123,7 +125,7 @@ def _sa1b_samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict
             sample = _sa1b_pair(url, key, entry, skipped)
             if sample is not None:
                 samples.append(sample)
-                counts["masks"] = counts.get("masks", 0) + sample[2]
+                counts["masks"] += sample[2]
     for key, entry in pending.items():
         (ext, member), = entry.items()
         missing = "JSON" if ext == SA1B_JPG else "image"
@@ -151,52 +153,52 @@ def _sa1b_pair(url: str, key: str, entry: dict[str, ArchiveMember],
 
 
 def _webdataset_samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]],
-                        ignored: list[int], counts: dict[str, int]) -> list[tuple[str, _Members]]:
-    """Consecutive members of one key form a sample, as webdataset groups them; a sample holding a member
-    that cannot be indexed is skipped whole, named."""
-    samples: list[tuple[str, _Members]] = []
-    seen: set[str] = set()
-    group: list[ArchiveMember] = []
-    group_key, bad = "", ""
-
-    def close() -> None:
-        if not group:
-            return
-        reason = bad
-        if not reason:
-            try:
-                check_key(group_key)
-            except ValueError as exc:
-                reason = str(exc)
-        if not reason and group_key in seen:
-            reason = f"duplicate key {group_key!r} (its members are not consecutive); kept the first"
-        if not reason and len(group) > _LIMITS.max_members:
-            reason = f"more than {_LIMITS.max_members} members"
-        seen.add(group_key)
-        if reason:
-            skipped.append(_skip(url, group[0].name, group_key, reason))
-        else:
-            samples.append((group_key, [(m.name.removeprefix("./").partition(".")[2], m.offset, m.size) for m in group]))
-
+                        counts: dict[str, int]) -> list[tuple[str, _Members]]:
+    """Consecutive members of one key form a sample, as webdataset groups them (the key: the member's
+    path up to its basename's first dot, a `./` prefix dropped); a sample holding a member that
+    cannot be indexed is skipped whole, named."""
+    groups: list[tuple[str, list[ArchiveMember]]] = []
     for member in scanned:
         name = member.name.removeprefix("./")
-        key, dot, ext = posixpath.basename(name).partition(".")
-        key = posixpath.join(posixpath.dirname(name), key)  # (webdataset's key: the path up to the basename's dot)
+        base, dot, _ = posixpath.basename(name).partition(".")
         if member.directory or not dot:
-            ignored[0] += 1
+            counts["ignored"] += 1
             continue
-        if key != group_key or not group:
-            close()
-            group, group_key, bad = [], key, ""
-        if not bad and member.problem is not None:
-            bad = f"member {member.name!r}: {member.problem}"
-        elif not bad and not _ext_ok(ext):
-            bad = f"member {member.name!r}: extension {ext!r} is not lowercase letters and digits, joined by dots"
-        elif not bad and any(m.name.removeprefix("./").partition(".")[2] == ext for m in group):
-            bad = f"member {member.name!r} twice in one sample"
-        group.append(member)
-    close()
+        key = posixpath.join(posixpath.dirname(name), base)
+        if not groups or groups[-1][0] != key:
+            groups.append((key, []))
+        groups[-1][1].append(member)
+    samples: list[tuple[str, _Members]] = []
+    seen: set[str] = set()
+    for key, group in groups:
+        members = [(m.name.removeprefix("./").partition(".")[2], m.offset, m.size) for m in group]
+        reason = _webdataset_problem(key, group, [ext for ext, _, _ in members], seen)
+        seen.add(key)
+        if reason:
+            skipped.append(_skip(url, group[0].name, key, reason))
+        else:
+            samples.append((key, members))
     return samples
+
+
+def _webdataset_problem(key: str, group: list[ArchiveMember], exts: list[str], seen: set[str]) -> str | None:
+    """Why a group of members cannot be indexed as a sample, if so."""
+    for member, ext in zip(group, exts):
+        if member.problem is not None:
+            return f"member {member.name!r}: {member.problem}"
+        if not _ext_ok(ext):
+            return f"member {member.name!r}: extension {ext!r} is not lowercase letters and digits, joined by dots"
+    try:
+        check_key(key)
+    except ValueError as exc:
+        return str(exc)
+    if len(set(exts)) != len(exts):
+        return f"a member extension twice in one sample: {exts}"
+    if key in seen:
+        return f"duplicate key {key!r} (its members are not consecutive); kept the first"
+    if len(group) > _LIMITS.max_members:
+        return f"more than {_LIMITS.max_members} members"
+    return None
 
 
 def _ext_ok(ext: str) -> bool:
@@ -227,15 +229,18 @@ def _scan(kind: str, url: str, storage_options: dict[str, Any] | None) -> _Scann
         return data
 
     skipped: list[dict[str, str]] = []
-    ignored, counts = [0], {}
+    counts: collections.Counter[str] = collections.Counter()
     try:
         with fs.open(path, "rb", block_size=_READ_BLOCK) as f:
-            samples = group(url, scan_archive(read, url, wanted, _LIMITS), skipped, ignored, counts)
+            samples = group(url, scan_archive(read, url, wanted, _LIMITS), skipped, counts)
             while read(_READ_BLOCK):  # (what follows the end-of-archive blocks: hashed too)
                 pass
     except FileNotFoundError as exc:
-        raise ShardError(url, "archive is missing") from exc
-    return _Scanned(size, digest.hexdigest(), samples, skipped, ignored[0], counts)
+        raise InputError(url, "archive is missing") from exc
+    except ShardError as exc:  # (a data problem of the input: exit code 1)
+        raise InputError(exc.url, exc.message) from exc
+    ignored = counts.pop("ignored", 0)
+    return _Scanned(size, digest.hexdigest(), samples, skipped, ignored, dict(counts))
 
 
 def _archives(sources: Sequence[str], storage_options: dict[str, Any] | None) -> list[str]:
@@ -259,11 +264,11 @@ def _archives(sources: Sequence[str], storage_options: dict[str, Any] | None) ->
 
 def _name(url: str, out: str) -> str:
     """The archive's name in the manifest: relative to OUT when it sits under it, else its absolute path or URL."""
-    relative = url[len(out) + 1 :] if url.startswith(out.rstrip("/") + "/") else ""
-    try:
-        return check_shard_name(relative, "indexed") if relative else check_shard_name(url, "indexed")
-    except ValueError:
-        return check_shard_name(url, "indexed")
+    prefix = out.rstrip("/") + "/"
+    if url.startswith(prefix):
+        with contextlib.suppress(ValueError):  # (a relative path of other characters: named whole instead)
+            return check_shard_name(url[len(prefix) :], "indexed")
+    return check_shard_name(url, "indexed")
 
 
 def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Sequence[tuple[str, float]] = (("train", 1.0),),
@@ -271,16 +276,11 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
                    storage_options: dict[str, Any] | None = None) -> IndexSummary:
     """Index the archives in `sources` in place into the dataset folder `out` (index files and the
     manifest, written last and atomically; nothing else). Raises PackError if `out` holds a dataset
-    that was not indexed in place, TooManySkipped past `max_skipped` (nothing is written then), and
-    ShardError naming the archive when one cannot be read as an uncompressed tar."""
+    that was not indexed in place, TooManySkipped past `max_skipped`, and InputError naming the
+    archive when one is missing or cannot be read as an uncompressed tar; nothing is written then."""
     if kind not in _KINDS:
         raise ValueError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_KINDS)}")
-    if not isinstance(workers, int) or workers < 1 or not isinstance(max_skipped, int) or max_skipped < 0:
-        raise ValueError(f"workers must be an int >= 1 and max_skipped an int >= 0, got {workers!r}, {max_skipped!r}")
-    names = [n for n, _ in splits]
-    if not names or len(set(names)) != len(names) or not all(n.isidentifier() and f > 0 for n, f in splits) or \
-            abs(sum(f for _, f in splits) - 1) > 1e-9:
-        raise ValueError(f"splits must be distinct identifiers with fractions > 0 summing to 1, got {list(splits)}")
+    PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped)  # (checks them as packing does)
     started = time.monotonic()
     fs, base = filesystem(out, storage_options)
     out_url = base if is_local(fs) else fs.unstrip_protocol(base)
@@ -360,13 +360,10 @@ def _write(kind: str, urls: list[str], names: list[str], scanned: list[_Scanned]
             assert info.index is not None
             write_bytes(fs, join(base, info.index.name), data)
     write_bytes(fs, join(base, MANIFEST_NAME), manifest.to_json())  # last: the indexes it lists are in place
-    counts: dict[str, int] = {}
-    for result in scanned:
-        for name, value in result.counts.items():
-            counts[name] = counts.get(name, 0) + value
+    counts = sum((collections.Counter(r.counts) for r in scanned), collections.Counter())
     return IndexSummary(samples=len(seen), archives=len(urls), bytes=sum(r.bytes for r in scanned),
                         skipped=len(skipped), ignored=sum(r.ignored for r in scanned),
-                        seconds=time.monotonic() - started, counts=counts, skip_list=skipped)
+                        seconds=time.monotonic() - started, counts=dict(counts), skip_list=skipped)
 
 
 def index_sa1b(sources: Sequence[str], out: str, **options: Any) -> IndexSummary:

@@ -19,7 +19,7 @@ import torch
 import webdataset
 
 from pipeline import make_stream_loader
-from pipeline.errors import SampleError, ShardError, ShardstreamError
+from pipeline.errors import InputError, SampleError, ShardError, ShardstreamError
 from pipeline.format import Manifest, parse_json
 from pipeline.sa1b import Sa1bOptions, unbatch
 from pipeline.storage import read_manifest
@@ -257,13 +257,17 @@ def test_hostile_archives_are_refused_or_skipped_with_the_archive_named(sa1b_src
             archive.unlink()
 
 
-def test_gzip_archives_are_refused(sa1b_src, tmp_path):
+def test_compressed_and_missing_archives_are_refused(sa1b_src, tmp_path):
     import gzip
 
     archive = tmp_path / "sa.tar"
     archive.write_bytes(gzip.compress((sa1b_src / "sa_000000.tar").read_bytes()))
-    with pytest.raises(ShardError, match=r"sa\.tar: gzip-compressed archive; only uncompressed"):
+    with pytest.raises(InputError, match=r"sa\.tar: gzip-compressed archive; only uncompressed"):
         index_sa1b([str(archive)], str(tmp_path / "out"), progress=False)
+    assert main(["-q", "index", "sa1b", str(archive), str(tmp_path / "out")]) == 1, "a data problem"
+    with pytest.raises(FileNotFoundError, match="missing.tar: not a .tar archive or a folder"):
+        index_sa1b([str(tmp_path / "missing.tar")], str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
     (tmp_path / "sa.tar.gz").write_bytes(b"")
     with pytest.raises(ShardstreamError, match=r"sa\.tar\.gz: a compressed archive"):
         index_sa1b([str(tmp_path / "sa.tar.gz")], str(tmp_path / "out"), progress=False)
@@ -360,3 +364,30 @@ def test_json_is_parsed_within_its_nesting_limit(value, limit):
             parse_json(text, max_depth=limit)
     with pytest.raises(ValueError, match="more than the limit"):
         parse_json(text, max_bytes=len(text) - 1)
+
+
+def _rewrite_header(data: bytearray, offset: int, name: bytes | None = None, size: int | None = None) -> None:
+    """A member header changed in place (name or size field), its checksum made valid again."""
+    if name is not None:
+        data[offset : offset + 100] = name.ljust(100, b"\0")
+    if size is not None:
+        data[offset + 124 : offset + 136] = b"%011o\0" % size
+    data[offset + 148 : offset + 156] = b" " * 8
+    data[offset + 148 : offset + 156] = b"%06o\0 " % sum(data[offset : offset + 512])
+
+
+@pytest.mark.parametrize("change", ["name", "size"])
+def test_a_member_header_that_disagrees_with_the_index_is_named(sa1b_src, tmp_path, change):
+    out, archive = _indexed_copy(sa1b_src, tmp_path)
+    data = bytearray(archive.read_bytes())
+    jpg = next(m for m in _members(archive) if m.name.endswith(".jpg"))
+    key = jpg.name.removesuffix(".jpg")
+    if change == "name":
+        _rewrite_header(data, jpg.offset_data - 512, name=f"{key}.png".encode())
+        expected = rf"sa_000000\.tar: sample '{key}': unexpected member name '{key}\.png' at byte \d+, the index says {key}\.jpg"
+    else:
+        _rewrite_header(data, jpg.offset_data - 512, size=jpg.size - 1)
+        expected = rf"sa_000000\.tar: sample '{key}': member '{key}\.jpg' claims {jpg.size - 1} bytes, the index says {jpg.size}"
+    archive.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=expected):
+        _by_key(str(out), shuffle=False)
