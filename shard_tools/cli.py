@@ -1,22 +1,25 @@
 """`shard-pack`: pack datasets into shards (`sa1b`, `vqa`, `embeddings`), index original archives in
-place (`index sa1b`, `index webdataset`), read them back (`inspect`, `verify`), and bring older
+place (`index sa1b`, `index webdataset`), read them back (`inspect`, `verify`), measure and draw
+them as the loader reads them (`tune`, `preview`), and bring older
 datasets to the current schema (`upgrade`).
 
 Exit codes: 0 done; 1 the data has problems (too many skipped inputs, embeddings input that fails
-its checks, `verify` findings); 2 the command cannot run as asked (bad arguments, output folder
+its checks, an archive `index` cannot read, `verify` findings); 2 the command cannot run as asked (bad arguments, output folder
 holding something else); 3 the run failed on its environment (disk full, an I/O error, a worker
-process killed): the finished shards are kept, and the same command run again finishes the pack.
+process killed; for `tune`, a measuring process that failed): the finished shards are kept, and
+the same command run again finishes the pack.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import pathlib
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
 from concurrent.futures.process import BrokenProcessPool
 
 from pipeline.errors import InputError, ShardstreamError
@@ -24,7 +27,9 @@ from pipeline.storage import read_manifest
 from shard_tools.embeddings import SCHEMA_NAME, pack_embeddings
 from shard_tools.index import index_archives
 from shard_tools.pack import PackOptions, TooManySkipped, pack, parse_splits
+from shard_tools.preview import preview, write_png
 from shard_tools.sa1b import Sa1bSource
+from shard_tools.tune import WITHIN, TuneError, default_workers, plot, tune
 from shard_tools.verify import describe, upgrade, verify
 from shard_tools.vqa import LAYOUTS, VqaSource, pack_vqa
 
@@ -110,10 +115,92 @@ def _parser() -> argparse.ArgumentParser:
                                 ("upgrade", "write the shard indexes and manifest of the current schema for an older "
                                  "dataset, in place (no shard is rewritten; safe to run again)", [quiet])):
         sub.add_parser(name, parents=parents, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
+    _reading_parsers(sub, quiet)
     return parser
 
 
-def _index_parser(sub: Any, quiet: argparse.ArgumentParser) -> None:
+# -- tune and preview: measure and look at a dataset as the loader reads it ---------------------------
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: want integers separated by commas, e.g. 0,2,4") from None
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return None if text.lower() == "none" else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: want an integer or 'none'") from None
+
+
+_KIND_OPTIONS = ("image_size", "mask_size", "max_masks", "per", "fields")
+
+
+def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser) -> None:
+    kind = argparse.ArgumentParser(add_help=False)  # the loader's kind options; only those given are passed
+    group = kind.add_argument_group("kind options (as make_stream_loader's; default: the loader's)")
+    group.add_argument("--image-size", type=_int_or_none, default=argparse.SUPPRESS, help="SA-1B, VQA (VQA: none = as stored)")
+    group.add_argument("--mask-size", type=_int_or_none, default=argparse.SUPPRESS, help="SA-1B (none = the image frame)")
+    group.add_argument("--max-masks", type=int, default=argparse.SUPPRESS, help="SA-1B")
+    group.add_argument("--per", choices=["question", "image"], default=argparse.SUPPRESS, help="VQA")
+    group.add_argument("--fields", type=lambda t: tuple(t.split(",")), default=argparse.SUPPRESS,
+                       help="embeddings: the fields to read, e.g. question_emb,relevance")
+
+    p = sub.add_parser("tune", parents=[quiet, kind], help="measure the loader on this dataset and machine across "
+                       "num_workers (prefetch_factor, read_ahead) and recommend settings",
+                       description="Run each setting in a subprocess of its own; print samples/s, CPU per sample, "
+                       "peak memory of the process tree and time to the first batch per setting, and recommend, among "
+                       f"the settings within {WITHIN:.0%} of the best throughput, the one of least peak memory.")
+    p.add_argument("out", metavar="OUT", help="dataset folder or URL")
+    p.add_argument("--split", required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--workers", type=_ints, help=f"num_workers to try (default: {','.join(map(str, default_workers()))})")
+    p.add_argument("--prefetch", type=_ints, default=(2,), help="prefetch_factor values to try with workers (2)")
+    p.add_argument("--read-ahead", type=_ints, default=(1,), help="read_ahead values to try (1; matters for object storage)")
+    p.add_argument("--batches", type=int, default=20, help="timed batches per setting (20)")
+    p.add_argument("--warmup", type=int, default=3, help="batches read before timing, the first included (3)")
+    p.add_argument("--seconds", type=float, default=15.0, help="at most this long timing a setting (15)")
+    p.add_argument("--device", help="as make_stream_loader's, e.g. cuda (default: batches stay on the CPU)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw samples/s and CPU per sample against num_workers")
+    p.add_argument("--json", metavar="FILE", help="write the rows and the recommendation as JSON")
+
+    p = sub.add_parser("preview", parents=[kind], help="draw a split's first decoded samples as the loader yields them "
+                       "(SA-1B: masks and boxes over the image; VQA: question and answer; embeddings: field statistics)")
+    p.add_argument("out", metavar="OUT", help="dataset folder or URL")
+    p.add_argument("--split", required=True)
+    p.add_argument("-n", type=int, default=8, help="samples (8)")
+    p.add_argument("--out", dest="png", required=True, metavar="FILE.png", help="where to write the picture")
+    p.add_argument("--seed", type=int, default=0, help="the shuffle's seed: which samples come first (0)")
+    p.add_argument("--tile", type=int, default=256, help="long side of each sample's picture, pixels (256)")
+    p.add_argument("--columns", type=int, default=4, help="pictures per row (4)")
+
+
+def _run_reading(args: argparse.Namespace) -> None:
+    options = {name: getattr(args, name) for name in _KIND_OPTIONS if hasattr(args, name)}
+    if args.command == "tune":
+        result = tune(args.out, args.split, batch_size=args.batch_size, workers=args.workers,
+                      prefetch_factors=args.prefetch, read_aheads=args.read_ahead, batches=args.batches,
+                      warmup=args.warmup, seconds=args.seconds, device=args.device, options=options,
+                      progress=not args.quiet)
+        print("\n".join(result.lines()))
+        if args.plot:
+            write_png(plot(result), args.plot)
+            print(f"plot: {args.plot}")
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(result.to_json(), indent=1) + "\n")
+            print(f"rows: {args.json}")
+    else:
+        shown = preview(args.out, args.split, n=args.n, seed=args.seed, tile=args.tile, columns=args.columns,
+                        options=options)
+        write_png(shown.image, args.png)
+        print(f"preview: {args.png} ({shown.image.width}x{shown.image.height}): {', '.join(shown.keys)}")
+
+
+# -- index: original archives, in place ------------------------------------------------------------
+
+def _index_parser(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser) -> None:
     """`shard-pack index sa1b|webdataset SRC... OUT`."""
     p = sub.add_parser("index", help="index original archives in place (SA-1B as Meta ships it, or any WebDataset "
                        "tars): OUT gets index files and a manifest, never a copy of the data")
@@ -167,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _index(args)
         elif args.command == "inspect":
             print("\n".join(describe(read_manifest(args.out), args.out)))
+        elif args.command in ("tune", "preview"):
+            _run_reading(args)
         elif args.command == "upgrade":
             print(upgrade(args.out, progress=not args.quiet))
         else:
@@ -181,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ShardstreamError, ValueError, FileNotFoundError) as exc:  # PackError among them
         log.error("shard-pack: %s", exc)
         return 2
+    except TuneError as exc:
+        log.error("shard-pack: %s", exc)
+        return 3
     except (OSError, BrokenProcessPool) as exc:
         what = "a packing worker process died (killed, or out of memory?)" if isinstance(exc, BrokenProcessPool) else exc
         log.error("shard-pack: %s; the finished shards are kept: fix that, then run the same command again", what)

@@ -2,7 +2,8 @@
 
 1. Build an SA-1B-shaped dataset (tar archives of sa_<id>.jpg + sa_<id>.json in SA-1B's exact
    schema) from scikit-image's bundled photographs and real segmentations of them.
-2. Pack it with `shard-pack sa1b`, then `shard-pack inspect` and `shard-pack verify` it.
+2. Pack it with `shard-pack sa1b`, then `shard-pack inspect` and `shard-pack verify` it, and draw
+   its first samples as the loader yields them (`shard-pack preview`: masks and boxes over images).
 3. Stream it with `make_stream_loader` (on the GPU when there is one) and report throughput.
 4. The object-storage path: start a local S3-compatible server (SeaweedFS on 127.0.0.1), pack
    the same archives straight into a bucket, and stream them back through a local shard cache.
@@ -54,8 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shard_pack(argv) != 0:
         return 1
 
-    _step(f"3/5 shard-pack inspect / verify {out}")
+    picture = args.work / "preview.png"
+    _step(f"3/5 shard-pack inspect / verify / preview {out}")
     if shard_pack(["inspect", str(out)]) != 0 or shard_pack(["verify", str(out)]) != 0:
+        return 1
+    if shard_pack(["preview", str(out), "--split", "train", "-n", "8", "--out", str(picture)]) != 0:
         return 1
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -286,7 +286,7 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     out_url = base if is_local(fs) else fs.unstrip_protocol(base)
     _check_out(fs, base, out, storage_options)
     urls = _archives(sources, storage_options)
-    bar = _Progress(len(urls), progress, unit="archives", verb="indexed")
+    bar = _Progress(len(urls), progress, unit="archive", what="indexed %d/%d archives")
     scanned = []
     for result in _map(kind, urls, workers, storage_options):
         scanned.append(result)

@@ -238,8 +238,9 @@ class PackSummary:
 class _Progress:
     """A tqdm bar on a terminal; otherwise a plain log line at most every `every` seconds."""
 
-    def __init__(self, total: int, enabled: bool, every: float = 10.0, unit: str = "img", verb: str = "packed") -> None:
-        self.total, self.done, self.every, self.verb, self.unit = total, 0, every, verb, unit
+    def __init__(self, total: int, enabled: bool, every: float = 10.0, *, unit: str = "img",
+                 what: str = "packed %d/%d samples") -> None:
+        self.total, self.done, self.every, self.what = total, 0, every, what
         self.start = self.last = time.monotonic()
         tty = enabled and sys.stderr.isatty()
         self.bar = tqdm(total=total, unit=unit, smoothing=0.1, dynamic_ncols=True) if tty else None
@@ -255,8 +256,7 @@ class _Progress:
             self.last = now
             rate = self.done / max(now - self.start, 1e-9)
             eta = (self.total - self.done) / rate if rate else float("inf")
-            log.info("%s %d/%d %s (%.1f/s, ETA %.0f s)", self.verb, self.done, self.total,
-                     "samples" if self.unit == "img" else self.unit, rate, eta)
+            log.info(self.what + " (%.1f/s, ETA %.0f s)", self.done, self.total, rate, eta)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -10,3 +10,4 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "verify: OK" in out and "epoch 2:" in out and "demo done" in out
     assert "cache warm" in out and "DIFFERENT" not in out  # the object-storage step ran, on SeaweedFS
+    assert f"preview: {tmp_path / 'preview.png'} (" in out and (tmp_path / "preview.png").stat().st_size > 0
