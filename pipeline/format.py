@@ -362,6 +362,8 @@ class ShardIndex:
     def build(cls, keys: Sequence[str], units: Sequence[int], members: Sequence[Sequence[tuple[str, int, int]]]) -> ShardIndex:
         """The index of samples given as key, units and members (extension, header offset, data bytes)."""
         exts = tuple(sorted({ext for sample in members for ext, _, _ in sample}))
+        if len(exts) > 256 or len("\n".join(exts)) > 4096:  # (what `from_bytes` reads back)
+            raise ValueError(f"{len(exts)} distinct member extensions: an index holds at most 256, in 4096 bytes")
         number = {ext: i for i, ext in enumerate(exts)}
         flat = [m for sample in members for m in sample]
         offsets = np.asarray([o for _, o, _ in flat], dtype=np.int64)

@@ -337,7 +337,11 @@ def _write(kind: str, urls: list[str], names: list[str], scanned: list[_Scanned]
             by_split.setdefault(split_of(key, splits), []).append((key, members))
             exts.update(ext for ext, _, _ in members)
         for split, samples in by_split.items():
-            data = ShardIndex.build([k for k, _ in samples], [1] * len(samples), [m for _, m in samples]).to_bytes(result.bytes)
+            try:
+                built = ShardIndex.build([k for k, _ in samples], [1] * len(samples), [m for _, m in samples])
+            except ValueError as exc:
+                raise InputError(url, f"cannot be indexed: {exc}") from exc
+            data = built.to_bytes(result.bytes)
             index = f"{split}-{number:06d}-{hashlib.sha256(data).hexdigest()[:12]}.idx"  # (never another run's file)
             tables[split].append((ShardInfo(name, len(samples), len(samples), result.bytes, result.sha256,
                                             IndexInfo.of(name, data, index)), data))

@@ -391,3 +391,10 @@ def test_a_member_header_that_disagrees_with_the_index_is_named(sa1b_src, tmp_pa
     archive.write_bytes(bytes(data))
     with pytest.raises(ShardError, match=expected):
         _by_key(str(out), shuffle=False)
+
+
+def test_an_archive_of_more_extensions_than_an_index_holds_is_refused(tmp_path):
+    archive = _tar(tmp_path / "many.tar", [(f"k{i}.e{i}", b"x") for i in range(300)])
+    with pytest.raises(InputError, match=r"many\.tar: cannot be indexed: 300 distinct member extensions"):
+        index_webdataset([str(archive)], str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
