@@ -46,6 +46,8 @@ _Members = list[tuple[str, int, int]]  # (extension, header offset, size), in ar
 
 @dataclasses.dataclass
 class IndexSummary:
+    """What an index run did: samples indexed, archives read, inputs skipped (named) or ignored."""
+
     samples: int = 0
     archives: int = 0
     bytes: int = 0  # of the archives

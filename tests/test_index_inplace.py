@@ -398,3 +398,19 @@ def test_an_archive_of_more_extensions_than_an_index_holds_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"many\.tar: cannot be indexed: 300 distinct member extensions"):
         index_webdataset([str(archive)], str(tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_schema_3_dataset_reads_and_upgrades_to_4_with_its_indexes_unchanged(sa1b_dataset, tmp_path, capsys):
+    root = tmp_path / "v3"
+    shutil.copytree(sa1b_dataset, root)
+    current = (root / "manifest.json").read_bytes()
+    obj = json.loads(current)
+    assert (obj.pop("origin"), obj.pop("members"), obj["schema_version"]) == ("packed", [], 4)
+    (root / "manifest.json").write_text(json.dumps({**obj, "schema_version": 3}))
+    assert read_manifest(str(root)).version == 3
+    _assert_same(_by_key(str(root)), _by_key(sa1b_dataset))
+    indexes = {n: d for n, d in _files(root).items() if n.endswith(".idx")}
+    assert main(["-q", "upgrade", str(root)]) == 0 and "upgraded from schema 3 to 4: 0 shard indexes written" in \
+        capsys.readouterr().out
+    assert (root / "manifest.json").read_bytes() == current
+    assert {n: d for n, d in _files(root).items() if n.endswith(".idx")} == indexes
