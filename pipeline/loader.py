@@ -20,7 +20,7 @@ from pipeline.index import SplitIndex
 from pipeline.kinds import kind_of
 from pipeline.plan import Mix, Resume, World
 from pipeline.state import ORDER_SETTINGS, STATE_VERSION, fingerprint, resume_point
-from pipeline.storage import ShardCache, filesystem, is_local, join, read_manifest
+from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
 from pipeline.stream import ShardStream, WorkerError
 
 __all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "make_stream_dataset", "validate_first_batch"]
@@ -219,7 +219,7 @@ def _manifests(roots: list[str], split: str, config: LoaderConfig) -> list[Manif
         shards = manifest.splits[split]
         if len(shards) and shards.shard_bytes.max() > limit:
             name = shards.names[int(shards.shard_bytes.argmax())]
-            raise ManifestError(join(root, name), f"{shards.shard_bytes.max()} bytes, more than max_shard_bytes={limit}")
+            raise ManifestError(shard_url(root, name), f"{shards.shard_bytes.max()} bytes, more than max_shard_bytes={limit}")
     if cache is not None:
         largest = max((int(m.splits[split].shard_bytes.max(initial=0)) for m in manifests), default=0)
         if cache.limit < largest:

@@ -19,7 +19,7 @@ from pipeline.config import LoaderConfig
 from pipeline.errors import ShardError
 from pipeline.format import ShardIndex, ShardInfo
 from pipeline.index import SplitIndex, Where
-from pipeline.storage import ShardCache, ShardReader, join
+from pipeline.storage import ShardCache, ShardReader, shard_url
 from pipeline.tario import parse_sample
 
 __all__ = ["Opened", "ProcessReaders", "SampleReads"]
@@ -135,7 +135,7 @@ class SampleReads:
         _, info, index, at = self._sample((number, sample))
         size = self.readers[number].size(info.name, index.key(at))
         if size != info.bytes:
-            raise ShardError(join(self.sources[number].root, info.name), f"sample {index.key(at)!r}: shard is {size} "
+            raise ShardError(shard_url(self.sources[number].root, info.name), f"sample {index.key(at)!r}: shard is {size} "
                              f"bytes, the manifest says {info.bytes}")
 
     def _read(self, where: Where) -> bytes | memoryview:
@@ -143,7 +143,7 @@ class SampleReads:
         _, info, index, at = self._sample(where)
         key, (start, end) = index.key(at), index.span(at)
         if end - start > self.limits.max_sample_bytes:
-            raise ShardError(join(self.sources[where[0]].root, info.name), f"sample {key!r} spans {end - start} bytes, "
+            raise ShardError(shard_url(self.sources[where[0]].root, info.name), f"sample {key!r} spans {end - start} bytes, "
                              f"more than max_sample_bytes={self.limits.max_sample_bytes}")
         return self.readers[where[0]].read(info.name, info.bytes, info.sha256, start, end, key)
 
@@ -158,7 +158,7 @@ class SampleReads:
         number = where[0]
         source = self.sources[number]
         shard, info, index, at = self._sample(where)
-        url, key = join(source.root, info.name), index.key(at)
+        url, key = shard_url(source.root, info.name), index.key(at)
         if where not in self.inflight:  # (dropped from the open samples since its read was asked for)
             self._submit(where)
         future = self.inflight.pop(where)
@@ -166,7 +166,8 @@ class SampleReads:
             self.sized[(number, shard)].result()
         data = future.result()
         units = int(index.units[at])
-        sample = self.open(parse_sample(data, url, key, self.limits), url, key, units)
+        members = index.sample_members(at) if index.members is not None else None  # (checked where the index says)
+        sample = self.open(parse_sample(data, url, key, self.limits, members, index.span(at)[0]), url, key, units)
         if units > 1 and source.by_units:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
             opened.keep(where, (sample, len(data) if isinstance(data, bytes) else 0, url, key))

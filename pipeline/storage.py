@@ -45,7 +45,7 @@ from pipeline.format import MANIFEST_NAME, MAX_INDEX_BYTES, Manifest, ShardIndex
 
 __all__ = [
     "MAX_MANIFEST_BYTES", "PIECE_BYTES", "Retry", "ShardCache", "ShardReader", "join", "filesystem", "is_local", "read_manifest",
-    "read_index", "read_range", "shard_indexes", "sha256_file", "with_retries", "write_bytes",
+    "read_index", "shard_url", "read_range", "shard_indexes", "sha256_file", "with_retries", "write_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,12 @@ def with_retries(retry: Retry, what: str, call: Callable[[], T]) -> T:
 
 def join(root: str, name: str) -> str:
     return posixpath.join(root.rstrip("/"), name)
+
+
+def shard_url(root: str, name: str) -> str:
+    """Where a shard the manifest at `root` names is: in the dataset's folder (packed shards, and
+    archives indexed in place under it, named relative to it), or at an absolute path or URL."""
+    return name if name.startswith("/") or "://" in name else join(root, name)
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -552,7 +558,7 @@ class ShardReader:
         self._indexes: collections.OrderedDict[str, ShardIndex] = collections.OrderedDict()
         self._index_limit, self._index_held = index_bytes, 0
         self._downloads: dict[str, concurrent.futures.Future[str]] = {}
-        self._waiting: dict[str, tuple[str, str, int, str]] = {}  # wanted before `start_downloads`
+        self._waiting: dict[str, tuple[int, str]] = {}  # wanted before `start_downloads`
         self._started = False
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -561,6 +567,19 @@ class ShardReader:
         self._copied = False  # a local shard was read by copy (no lease): said once in the log
         self._verified = verified
         self._index: dict[str, int] | None = None  # shard name -> row of `verified`
+        self._storage_options = storage_options
+        self._places: dict[str, tuple[fsspec.AbstractFileSystem, str, str]] = {}
+
+    def _place(self, name: str) -> tuple[fsspec.AbstractFileSystem, str, str]:
+        """(filesystem, path, URL) of a shard: in the dataset's folder, or where its absolute name says
+        (an archive indexed in place: another bucket, or object storage under a local dataset)."""
+        found = self._places.get(name)
+        if found is None:
+            url = shard_url(self.root, name)
+            fs, path = (self.fs, join(self.base, name)) if url == join(self.root, name) else \
+                filesystem(url, self._storage_options)
+            found = self._places.setdefault(name, (fs, path, url))
+        return found
 
     def holds_index(self, name: str) -> bool:
         return name in self._indexes
@@ -585,9 +604,9 @@ class ShardReader:
 
     def size(self, name: str, key: str) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages)."""
-        url = join(self.root, name)
+        fs, path, url = self._place(name)
         try:
-            return with_retries(self.retry, url, lambda: self.fs.size(join(self.base, name)))
+            return with_retries(self.retry, url, lambda: fs.size(path))
         except FileNotFoundError as exc:
             raise ShardError(url, f"sample {key!r}: shard is missing") from exc
         except Exception as exc:
@@ -596,7 +615,7 @@ class ShardReader:
     def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str) -> bytes | memoryview:
         """Bytes [start, end) of a shard: a view of the file mapped in memory when it is on local disk
         (in place or in the cache: no copy), else read by range."""
-        url, path = join(self.root, name), join(self.base, name)
+        fs, path, url = self._place(name)
         if self.cache is not None:
             local = self.cache.lookup(url, sha256)
             if local is not None:
@@ -604,8 +623,8 @@ class ShardReader:
                     data = self._local(local, url, start, end)
                     if len(data) == end - start:
                         return data
-            self._download(name, url, path, size, sha256)
-        elif is_local(self.fs):
+            self._download(name, size, sha256)
+        elif is_local(fs):
             try:
                 if self._verified is not None:
                     self._verify(name, path, url, sha256)
@@ -621,7 +640,10 @@ class ShardReader:
                 raise ShardError(url, f"sample {key!r}: shard is {actual} bytes, shorter than the sample's range "
                                  f"({start}-{end})")
             return data
-        return read_range(self.fs, path, url, start, end, key, self.retry)
+        if self._verified is not None:  # (an archive indexed in place, on object storage under a local dataset)
+            raise ShardError(url, f"sample {key!r}: verify='sha256' checks shards on local disk; this one is on object "
+                             "storage (`shard-pack verify` checks it)")
+        return read_range(fs, path, url, start, end, key, self.retry)
 
     def _verify(self, name: str, path: str, url: str, sha256: str) -> None:
         """Check a local shard's SHA-256 against the manifest's, unless the shared table says the file
@@ -743,12 +765,12 @@ class ShardReader:
         for name, args in waiting:
             self._download(name, *args)
 
-    def _download(self, name: str, url: str, path: str, size: int, sha256: str) -> None:
+    def _download(self, name: str, size: int, sha256: str) -> None:
         assert self.cache is not None
-        cache = self.cache
+        cache, (fs, path, url) = self.cache, self._place(name)
         with self._lock:
             if not self._started:
-                self._waiting[name] = (url, path, size, sha256)
+                self._waiting[name] = (size, sha256)
                 return
             running = self._downloads.get(name)
             if running is not None and not running.done():
@@ -762,7 +784,7 @@ class ShardReader:
 
             def fetch(f: Any) -> None:
                 for offset in range(0, size, 8 * PIECE_BYTES):
-                    f.write(read_range(self.fs, path, url, offset, min(offset + 8 * PIECE_BYTES, size), None, self.retry))
+                    f.write(read_range(fs, path, url, offset, min(offset + 8 * PIECE_BYTES, size), None, self.retry))
 
             self._downloads[name] = self._pool.submit(cache.fetch, url, size, sha256, fetch)
 
@@ -775,4 +797,4 @@ class ShardReader:
             exc = future.exception()
             if exc is not None:
                 log.log(logging.INFO if isinstance(exc, _CacheFull) else logging.WARNING, "%s: caching failed: %s",
-                        join(self.root, name), exc)
+                        shard_url(self.root, name), exc)

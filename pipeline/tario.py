@@ -1,8 +1,11 @@
-"""Tar shards: a deterministic writer and a strict reader of one sample's byte range.
+"""Tar shards: a deterministic writer, a strict reader of one sample's byte range, and a scanner of
+whole archives (what `shard-pack index` reads original archives with).
 
 Kind-agnostic. Shards are plain USTAR archives (readable by `tar`, `tarfile` and `webdataset`);
-each sample is consecutive members `<key>.<ext>`. The reader accepts only what the writer makes:
-regular files with flat, safe names, checked header checksums and sizes inside the range.
+each sample is members `<key>.<ext>`, consecutive in packed shards. The reader accepts only what
+the writer makes: regular files with flat, safe names, checked header checksums and sizes inside
+the range. Given the members an index records, it checks each at its recorded offset instead,
+so the members of an original archive's sample may lie apart, in any order.
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ import os
 import re
 import tarfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from pipeline.errors import ShardError
 from pipeline.format import check_key
 
-__all__ = ["BLOCK", "ReadLimits", "ShardWriter", "parse_sample", "sample_members"]
+__all__ = ["BLOCK", "ArchiveMember", "ReadLimits", "ShardWriter", "parse_sample", "sample_members", "scan_archive"]
 
 BLOCK = 512
 _END = b"\0" * (2 * BLOCK)
@@ -103,15 +106,64 @@ def _octal(field: bytes) -> int:
     return int(text, 8)
 
 
-def parse_sample(data: bytes | memoryview, url: str, key: str, limits: ReadLimits = ReadLimits()) -> dict[str, memoryview]:
+def parse_sample(data: bytes | memoryview, url: str, key: str, limits: ReadLimits = ReadLimits(),
+                 members: Sequence[tuple[str, int, int]] | None = None, start: int = 0) -> dict[str, memoryview]:
     """The members `{ext: view of their bytes}` of one sample (no copy), from the exact byte range
-    the index gives for it.
+    the index gives for it (starting at byte `start` of the shard).
 
     Only what the writer makes is accepted: regular files named `<key>.<ext>` for the index's
     key, headers with valid checksums, sizes within the caps and within the range. Nothing is
-    ever extracted to disk; compressed shards are refused."""
+    ever extracted to disk; compressed shards are refused. With the index's `members` (extension,
+    header offset in the shard, size), each is checked at its offset, and the bytes between them
+    (other samples' members, in an original archive) are never looked at."""
     view = memoryview(data)
-    return {ext: view[at + BLOCK : at + BLOCK + size] for ext, at, size in sample_members(data, url, key, limits)}
+    found = sample_members(data, url, key, limits) if members is None else \
+        _recorded_members(view, url, key, limits, members, start)
+    return {ext: view[at + BLOCK : at + BLOCK + size] for ext, at, size in found}
+
+
+def _read_header(view: memoryview, pos: int, url: str, key: str) -> tuple[str, int]:
+    """(name, size) of the regular-file header at `pos`, its checksum checked."""
+    header = bytes(view[pos : pos + BLOCK])
+    if len(header) < BLOCK:
+        raise ShardError(url, f"sample {key!r}: truncated tar header at byte {pos}")
+    try:
+        checksum = _octal(header[148:156])
+        size = _octal(header[124:136])
+    except ValueError as exc:
+        raise ShardError(url, f"sample {key!r}: invalid tar header at byte {pos}: {exc}") from exc
+    if checksum != sum(header[:148]) + 256 + sum(header[156:]):
+        raise ShardError(url, f"sample {key!r}: tar header checksum mismatch at byte {pos}")
+    if header[156:157] not in (b"0", b"\0"):
+        raise ShardError(url, f"sample {key!r}: member type {header[156:157]!r} is not a regular file")
+    name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
+    if header[345:500].strip(b"\0"):
+        raise ShardError(url, f"sample {key!r}: unexpected member name {name[:120]!r} (with a ustar prefix)")
+    return name, size
+
+
+def _recorded_members(view: memoryview, url: str, key: str, limits: ReadLimits,
+                      members: Sequence[tuple[str, int, int]], start: int) -> list[tuple[str, int, int]]:
+    """The index's members, each header checked at its offset (relative to `start`): a regular file
+    named `<key>.<ext>` (or `./<key>.<ext>`, as `tar -C dir .` writes) of the recorded size."""
+    try:
+        check_key(key)
+    except ValueError as exc:
+        raise ShardError(url, f"unsafe sample key in the index: {exc}") from exc
+    if len(members) > limits.max_members:
+        raise ShardError(url, f"sample {key!r}: more than {limits.max_members} members")
+    found = []
+    for ext, offset, recorded in members:
+        pos = offset - start
+        name, size = _read_header(view, pos, url, key)
+        if name not in (f"{key}.{ext}", f"./{key}.{ext}") or not _EXT_RE.fullmatch(ext):
+            raise ShardError(url, f"sample {key!r}: unexpected member name {name[:120]!r} at byte {offset}, the index "
+                             f"says {key}.{ext}")
+        if size != recorded or size > limits.max_member_bytes or pos + BLOCK + size > len(view):
+            raise ShardError(url, f"sample {key!r}: member {name!r} claims {size} bytes, the index says {recorded} (or "
+                             "beyond the cap or the sample's range)")
+        found.append((ext, pos, size))
+    return found
 
 
 def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLimits = ReadLimits()) -> list[tuple[str, int, int]]:
@@ -127,21 +179,9 @@ def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLim
     view = memoryview(data)
     pos = 0
     while pos < len(data):
-        header = bytes(view[pos : pos + BLOCK])
-        if len(header) < BLOCK:
-            raise ShardError(url, f"sample {key!r}: truncated tar header at byte {pos}")
-        try:
-            checksum = _octal(header[148:156])
-            size = _octal(header[124:136])
-        except ValueError as exc:
-            raise ShardError(url, f"sample {key!r}: invalid tar header at byte {pos}: {exc}") from exc
-        if checksum != sum(header[:148]) + 256 + sum(header[156:]):
-            raise ShardError(url, f"sample {key!r}: tar header checksum mismatch at byte {pos}")
-        if header[156:157] not in (b"0", b"\0"):
-            raise ShardError(url, f"sample {key!r}: member type {header[156:157]!r} is not a regular file")
-        name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
+        name, size = _read_header(view, pos, url, key)
         member_key, _, ext = name.partition(".")
-        if header[345:500].strip(b"\0") or member_key != key or not _EXT_RE.fullmatch(ext):
+        if member_key != key or not _EXT_RE.fullmatch(ext):
             raise ShardError(url, f"sample {key!r}: unexpected member name {name[:120]!r}")
         if size > limits.max_member_bytes or pos + BLOCK + size > len(data):
             raise ShardError(url, f"sample {key!r}: member {name!r} claims {size} bytes, beyond the cap or the sample's range")
@@ -150,3 +190,96 @@ def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLim
         members.append((ext, pos, size))
         pos += BLOCK + size + (-size % BLOCK)
     return members
+
+
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+_MAX_EXTENDED = 1 << 20  # a pax or GNU long-name header's bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchiveMember:
+    """One member of an archive scanned front to back: its name (as extended headers set it), its
+    own header's offset, its size, and why it cannot be read as a sample member (`problem`), if so."""
+
+    name: str
+    offset: int
+    size: int
+    problem: str | None  # not a regular file, a name only an extended header holds, ...
+    data: bytes | None  # its bytes, if the scanner was asked for them and it has no problem
+    directory: bool = False
+
+
+def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str], bool],
+                 limits: ReadLimits = ReadLimits()) -> Iterator[ArchiveMember]:
+    """Each member of an uncompressed tar (ustar, GNU or pax, as GNU tar and tarfile write it),
+    reading it front to back with `read(n)` (the next n bytes; fewer only at the end), the bytes of
+    the regular files `wanted(name)` selects included. A member whose name or size only a pax or
+    GNU extended header gives cannot be read back from its own header: it comes with a `problem`.
+    A compressed, truncated or malformed archive is a ShardError naming the byte it failed at."""
+    pos, extended = 0, ""
+    while True:
+        header = read(BLOCK)
+        if not header:  # (an archive may end without its end-of-archive blocks, as tarfile allows)
+            return
+        if pos == 0:
+            for magic, name in _COMPRESSED.items():
+                if header.startswith(magic):
+                    raise ShardError(url, f"{name}-compressed archive; only uncompressed tar archives are indexed")
+        if len(header) < BLOCK:
+            raise ShardError(url, f"truncated tar header at byte {pos}")
+        if header == b"\0" * BLOCK:
+            return
+        try:
+            checksum, size = _octal(header[148:156]), _octal(header[124:136])
+        except ValueError as exc:
+            raise ShardError(url, f"invalid tar header at byte {pos} (not a tar archive?): {exc}") from exc
+        if checksum != sum(header[:148]) + 256 + sum(header[156:]):
+            raise ShardError(url, f"tar header checksum mismatch at byte {pos} (not a tar archive?)")
+        kind, padded = header[156:157], size + (-size % BLOCK)
+        name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
+        if kind in (b"x", b"g", b"L", b"K"):
+            if size > _MAX_EXTENDED:
+                raise ShardError(url, f"extended header of {size} bytes at byte {pos}, more than {_MAX_EXTENDED}")
+            payload = _read_exactly(read, padded, url, f"the extended header at byte {pos}")[:size]
+            if kind == b"g" and (b" path=" in payload or b" size=" in payload):
+                raise ShardError(url, f"a pax global header at byte {pos} sets names or sizes: not indexed")
+            if kind in (b"L", b"x") and (kind == b"L" or b" path=" in payload or b" size=" in payload):
+                extended = payload.rstrip(b"\0").decode("utf-8", "replace") if kind == b"L" else _pax_path(payload, name)
+            pos += BLOCK + padded
+            continue
+        problem = None
+        if kind not in (b"0", b"\0"):
+            problem = f"member type {kind!r} is not a regular file"
+        elif extended:
+            problem = "its name or size is set by a pax or GNU extended header, not by its own tar header"
+        elif header[345:500].strip(b"\0"):
+            problem = "its name continues in the ustar prefix field (a folder inside the archive)"
+        elif size > limits.max_member_bytes:
+            problem = f"{size} bytes, more than max_member_bytes={limits.max_member_bytes}"
+        take = problem is None and wanted(name)
+        where = f"member {name!r} ({size} bytes at byte {pos})"
+        data = _read_exactly(read, size, url, where) if take else None
+        _skip(read, padded - size if take else padded, url, where)
+        yield ArchiveMember(extended or name, pos, size, problem, data, kind == b"5")
+        pos, extended = pos + BLOCK + padded, ""
+
+
+def _pax_path(payload: bytes, name: str) -> str:
+    """The path a pax header sets (else the member's own name), for messages."""
+    for record in payload.split(b"\n"):
+        _, _, field = record.partition(b" ")
+        if field.startswith(b"path="):
+            return field[5:].decode("utf-8", "replace")
+    return name
+
+
+def _read_exactly(read: Callable[[int], bytes], size: int, url: str, where: str) -> bytes:
+    data = read(size)
+    if len(data) < size:
+        raise ShardError(url, f"archive ends inside {where} (truncated?)")
+    return data
+
+
+def _skip(read: Callable[[int], bytes], size: int, url: str, where: str) -> None:
+    while size:
+        size -= len(_read_exactly(read, min(size, 1 << 22), url, where))

@@ -1,9 +1,10 @@
-"""`shard-pack`: pack datasets into shards (`sa1b`, `vqa`, `embeddings`), read them back (`inspect`,
-`verify`), measure and draw them as the loader reads them (`tune`, `preview`), and bring older
+"""`shard-pack`: pack datasets into shards (`sa1b`, `vqa`, `embeddings`), index original archives in
+place (`index sa1b`, `index webdataset`), read them back (`inspect`, `verify`), measure and draw
+them as the loader reads them (`tune`, `preview`), and bring older
 datasets to the current schema (`upgrade`).
 
 Exit codes: 0 done; 1 the data has problems (too many skipped inputs, embeddings input that fails
-its checks, `verify` findings); 2 the command cannot run as asked (bad arguments, output folder
+its checks, an archive `index` cannot read, `verify` findings); 2 the command cannot run as asked (bad arguments, output folder
 holding something else); 3 the run failed on its environment (disk full, an I/O error, a worker
 process killed; for `tune`, a measuring process that failed): the finished shards are kept, and
 the same command run again finishes the pack.
@@ -24,6 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pipeline.errors import InputError, ShardstreamError
 from pipeline.storage import read_manifest
 from shard_tools.embeddings import SCHEMA_NAME, pack_embeddings
+from shard_tools.index import index_archives
 from shard_tools.pack import PackOptions, TooManySkipped, pack, parse_splits
 from shard_tools.preview import preview, write_png
 from shard_tools.sa1b import Sa1bSource
@@ -105,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-bytes", type=_size, default="1GiB", help="at most this much data per shard (1GiB)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
     p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
+
+    _index_parser(sub, quiet)
 
     for name, text, parents in (("inspect", "print a dataset's manifest summary", []),
                                 ("verify", "check every shard's checksum and index, and decode every sample", [quiet]),
@@ -194,6 +198,31 @@ def _run_reading(args: argparse.Namespace) -> None:
         print(f"preview: {args.png} ({shown.image.width}x{shown.image.height}): {', '.join(shown.keys)}")
 
 
+# -- index: original archives, in place ------------------------------------------------------------
+
+def _index_parser(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser) -> None:
+    """`shard-pack index sa1b|webdataset SRC... OUT`."""
+    p = sub.add_parser("index", help="index original archives in place (SA-1B as Meta ships it, or any WebDataset "
+                       "tars): OUT gets index files and a manifest, never a copy of the data")
+    kinds = p.add_subparsers(dest="index_kind", required=True)
+    for kind, text in (("sa1b", "SA-1B .tar archives (sa_<id>.jpg + sa_<id>.json), every pair checked as packing does"),
+                       ("webdataset", "any WebDataset tars (members grouped by key, as webdataset does)")):
+        k = kinds.add_parser(kind, parents=[quiet], help=text)
+        k.add_argument("sources", nargs="+", metavar="SRC", help=".tar archives or folders of them (local or URLs)")
+        k.add_argument("out", metavar="OUT", help="dataset folder: the archives may sit in it (named relative to it)")
+        k.add_argument("--split", default="train=1", help="split fractions by key hash, as packing, e.g. train=0.99,val=0.01")
+        k.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes scanning archives (all cores)")
+        k.add_argument("--max-skipped", type=int, default=10, help="fail when more input samples are bad (10)")
+
+
+def _index(args: argparse.Namespace) -> None:
+    summary = index_archives(args.index_kind, args.sources, args.out, splits=parse_splits(args.split),
+                             workers=args.workers, max_skipped=args.max_skipped, progress=not args.quiet)
+    for skip in summary.skip_list[:20]:
+        log.warning("skipped %s", skip["reason"])
+    print("\n".join(summary.lines()))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -221,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary = pack_embeddings(args.source, args.out, schema=args.schema, rows_per_block=args.rows_per_block,
                                       options=options, progress=not args.quiet)
             print("\n".join(summary.lines()))
+        elif args.command == "index":
+            _index(args)
         elif args.command == "inspect":
             print("\n".join(describe(read_manifest(args.out), args.out)))
         elif args.command in ("tune", "preview"):

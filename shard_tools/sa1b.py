@@ -9,26 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import logging
-import math
 import posixpath
 import tarfile
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from PIL import Image
 
 from pipeline.errors import SampleError
-from pipeline.format import SA1B_ANN, SA1B_JPG, check_key, encode_array, pack_record
-from pipeline.rle import RLEError, check, fit
-from pipeline.kinds.sa1b import MAX_IMAGE_PIXELS
+from pipeline.format import SA1B_ANN, SA1B_JPG, check_key, pack_record, parse_json
+from pipeline.rle import fit
+from pipeline.kinds.sa1b import annotation_record
 from pipeline.storage import filesystem
 from shard_tools.images import load_whole, resize_image
 from shard_tools.pack import Part, SampleRef
 
-__all__ = ["Sa1bSource"]
+__all__ = ["Sa1bSource", "check_pair"]
 
 log = logging.getLogger(__name__)
 _ROLES = ("jpg", "json")
@@ -124,14 +121,8 @@ class Sa1bSource:
     def encode(self, ref: SampleRef) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
         parts = dict(ref.parts)
         jpg, meta_bytes = (_read(parts[role]) for role in _ROLES)
-        where = parts["json"].name
-        try:
-            meta = json.loads(meta_bytes)
-        except ValueError as exc:
-            raise SampleError(where, ref.key, "json", f"invalid JSON: {exc}") from exc
-        record, height, width = _record(meta, where, ref.key)
-        where = parts["jpg"].name
-        stored = _check_jpeg(jpg, (height, width), where, ref.key)
+        record, (height, width) = check_pair(jpg, meta_bytes, parts["jpg"].name, parts["json"].name, ref.key)
+        stored = (height, width)
         if self.image_max_side and max(height, width) > self.image_max_side:
             stored = fit(height, width, self.image_max_side)
             jpg = resize_image(jpg, "JPEG", stored, self.jpeg_quality, rgb=True)  # (RGB: see resize_image)
@@ -144,69 +135,16 @@ def _read(part: Part) -> bytes:
     return fs.cat_file(path, start=part.offset, end=part.offset + part.size)
 
 
-def _field(obj: Any, name: str, kind: type | tuple[type, ...], where: str, key: str, field: str) -> Any:
-    value = obj.get(name) if isinstance(obj, dict) else None
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise SampleError(where, key, field, f"missing or not {getattr(kind, '__name__', kind)}: {value!r}"[:200])
-    return value
-
-
-def _numbers(value: Any, count: int | None, where: str, key: str, field: str) -> list[float]:
-    ok = isinstance(value, list) and (count is None or len(value) == count)
-    if ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
-        return [float(v) for v in value]
-    raise SampleError(where, key, field, f"want {count or 'some'} finite numbers, got {value!r}"[:200])
-
-
-def _record(meta: Any, where: str, key: str) -> tuple[dict[str, Any], int, int]:
-    """Check SA-1B's per-image JSON and turn it into the stored record (RLE counts kept compressed)."""
-    image = _field(meta, "image", dict, where, key, "image")
-    image_id = _field(image, "image_id", int, where, key, "image.image_id")
-    width = _field(image, "width", int, where, key, "image.width")
-    height = _field(image, "height", int, where, key, "image.height")
-    file_name = _field(image, "file_name", str, where, key, "image.file_name")
-    if not (0 < width and 0 < height and width * height <= MAX_IMAGE_PIXELS):
-        raise SampleError(where, key, "image", f"invalid size {width}x{height}")
-    annotations = _field(meta, "annotations", list, where, key, "annotations")
-    columns: dict[str, list[Any]] = {n: [] for n in ("counts", "ids", "bbox", "area", "predicted_iou",
-                                                      "stability_score", "point_coords", "point_counts", "crop_box")}
-    for i, ann in enumerate(annotations):
-        at = f"annotations[{i}]"
-        seg = _field(ann, "segmentation", dict, where, key, f"{at}.segmentation")
-        size = seg.get("size")
-        if size != [height, width]:
-            raise SampleError(where, key, f"{at}.segmentation.size", f"RLE size {size!r} disagrees with the image's [{height}, {width}]")
-        counts = _field(seg, "counts", str, where, key, f"{at}.segmentation.counts")
-        if not counts.isascii():
-            raise SampleError(where, key, f"{at}.segmentation.counts", "not an ASCII COCO RLE string")
-        columns["counts"].append(counts.encode("ascii"))
-        columns["ids"].append(_field(ann, "id", int, where, key, f"{at}.id"))
-        columns["bbox"].append(_numbers(ann.get("bbox"), 4, where, key, f"{at}.bbox"))
-        columns["crop_box"].append(_numbers(ann.get("crop_box"), 4, where, key, f"{at}.crop_box"))
-        for name in ("area", "predicted_iou", "stability_score"):
-            columns[name] += _numbers([ann.get(name)], 1, where, key, f"{at}.{name}")
-        points = ann.get("point_coords")
-        if not isinstance(points, list) or not points:
-            raise SampleError(where, key, f"{at}.point_coords", f"want a non-empty list of [x, y], got {points!r}"[:200])
-        columns["point_coords"] += [_numbers(p, 2, where, key, f"{at}.point_coords") for p in points]
-        columns["point_counts"].append(len(points))
+def check_pair(jpg: bytes, meta: bytes, jpg_name: str, json_name: str, key: str) -> tuple[dict[str, Any], tuple[int, int]]:
+    """(the stored record without `stored_size`, the image's (height, width)) of an SA-1B pair, checked
+    whole: JSON within limits, annotations, RLE, a whole JPEG of the size the JSON states. Packing
+    and `shard-pack index` both call it; the names are what errors name."""
     try:
-        check(columns["counts"], (height, width))
-    except RLEError as exc:
-        raise SampleError(where, key, f"annotations[{exc.index}].segmentation.counts", f"invalid RLE: {exc}") from exc
-    n = len(annotations)
-    record = {
-        "image": {"image_id": image_id, "width": width, "height": height, "file_name": file_name},
-        "counts": columns["counts"],
-        "ids": encode_array(np.array(columns["ids"], dtype=np.int64)),
-        "bbox": encode_array(np.array(columns["bbox"], dtype=np.float64).reshape(n, 4)),
-        "crop_box": encode_array(np.array(columns["crop_box"], dtype=np.float64).reshape(n, 4)),
-        "point_coords": encode_array(np.array(columns["point_coords"], dtype=np.float64).reshape(-1, 2)),
-        "point_counts": encode_array(np.array(columns["point_counts"], dtype=np.uint32)),
-        **{name: encode_array(np.array(columns[name], dtype=np.float64))
-           for name in ("area", "predicted_iou", "stability_score")},
-    }
-    return record, height, width
+        parsed = parse_json(meta)
+    except ValueError as exc:
+        raise SampleError(json_name, key, "json", f"invalid JSON: {exc}"[:300]) from exc
+    record, height, width = annotation_record(parsed, json_name, key)
+    return record, _check_jpeg(jpg, (height, width), jpg_name, key)
 
 
 def _check_jpeg(data: bytes, size: tuple[int, int], where: str, key: str) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from pipeline.errors import ShardstreamError
 from pipeline.format import BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name
 from pipeline.kinds import KINDS, Kind
-from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, write_bytes
+from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, shard_url, write_bytes
 from pipeline.tario import parse_sample, sample_members
 
 __all__ = ["describe", "verify", "upgrade"]
@@ -58,16 +58,19 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
     read as the loader reads them: the shard's index and each sample's bytes through a
     `ShardReader`, its members by `tario`, decoded by the kind (`Kind.for_verify`: everything)."""
     manifest = read_manifest(root, storage_options)
-    kind = KINDS[manifest.kind].for_verify(manifest)
+    kind_class = KINDS.get(manifest.kind)  # (None: a kind whose samples only the user decodes: members checked)
+    kind = kind_class.for_verify(manifest) if kind_class is not None else None
     reader = ShardReader(root, storage_options, Retry())
+    packed = manifest.origin == "packed"
     problems: list[str] = []
     total = sum(split.samples for split in manifest.splits.values())
     bar = tqdm(total=total, unit="sample", disable=not (progress and sys.stderr.isatty()))
     for shards in manifest.splits.values():
         for shard in shards:
-            url, path = join(root, shard.name), join(reader.base, shard.name)
+            url = shard_url(root, shard.name)
+            shard_fs, path = filesystem(url, storage_options)
             try:
-                size = reader.fs.size(path)
+                size = shard_fs.size(path)
                 index = reader.index(shard)
             except FileNotFoundError:
                 problems.append(f"{url}: shard is missing")
@@ -80,47 +83,61 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
             if size != shard.bytes:
                 problems.append(f"{url}: {size} bytes, the manifest says {shard.bytes}")
             digest = hashlib.sha256()
-            with reader.fs.open(path, "rb", block_size=_READ_BLOCK) as f:
+            with shard_fs.open(path, "rb", block_size=_READ_BLOCK) as f:
                 while block := f.read(_READ_BLOCK):
                     digest.update(block)
             if digest.hexdigest() != shard.sha256:
                 problems.append(f"{url}: SHA-256 {digest.hexdigest()}, the manifest says {shard.sha256}")
-            problems += _check_samples(reader, url, shard, index, kind, bar)
+            problems += _check_samples(reader, url, shard, index, kind, bar, packed)
+            if packed:  # (an original archive holds more than one split's samples, and other members)
+                problems += _check_end(shard_fs, path, url, shard, index)
     bar.close()
     return problems
 
 
-def _check_samples(reader: ShardReader, url: str, shard: ShardInfo, index: ShardIndex, kind: Kind,
-                   bar: Any) -> list[str]:
-    """Each sample read by range, compared with its index entry (members, offsets, sizes) and decoded whole."""
+def _check_samples(reader: ShardReader, url: str, shard: ShardInfo, index: ShardIndex, kind: Kind | None,
+                   bar: Any, packed: bool) -> list[str]:
+    """Each sample read by range and parsed at its index's members (an original archive's may lie
+    apart; a `packed` shard's must fill its span, as packing wrote them), then decoded whole (kinds
+    the loader decodes itself)."""
     problems = []
     for i in range(index.samples):
         bar.update(1)
         key, (start, end) = index.key(i), index.span(i)
+        recorded = index.sample_members(i) if index.members is not None else None
         try:
             data = reader.read(shard.name, shard.bytes, shard.sha256, start, end, key)
-            found = [(ext, start + at, size) for ext, at, size in sample_members(data, url, key)]
-            if index.members is not None and found != index.sample_members(i):
-                problems.append(f"{url}: sample {key!r}: members {found}, the index says {index.sample_members(i)}")
+            if packed:  # (a packed sample's members fill its span: walked, they must be the index's)
+                found = [(ext, start + at, size) for ext, at, size in sample_members(data, url, key)]
+                if recorded is not None and found != recorded:
+                    problems.append(f"{url}: sample {key!r}: members {found}, the index says {recorded}")
+                    continue
+            members = parse_sample(data, url, key, members=recorded, start=start)
+            if kind is None:
                 continue
             units = int(index.units[i])
             every = np.arange(units if kind.units else 1)
-            sample = kind.open(parse_sample(data, url, key), url=url, key=key, units=units)
+            sample = kind.open(members, url=url, key=key, units=units)
             for unit in [every] if kind.grouped else every.tolist():
                 kind.decode(sample, unit=unit, seed=0, epoch=0, url=url, key=key)
         except ShardstreamError as exc:
             problems.append(str(exc))
-    end = int(index.spans[-1, 1]) if index.samples else 0
-    tail = reader.fs.cat_file(join(reader.base, shard.name), start=end, end=shard.bytes) if shard.bytes >= end else b""
-    if len(tail) < 2 * BLOCK_BYTES or tail.strip(b"\0"):
-        problems.append(f"{url}: does not end with a tar end-of-archive after its last sample")
     return problems
 
 
+def _check_end(fs: Any, path: str, url: str, shard: ShardInfo, index: ShardIndex) -> list[str]:
+    """A packed shard ends with a tar end-of-archive right after its last sample."""
+    end = int(index.spans[-1, 1]) if index.samples else 0
+    tail = fs.cat_file(path, start=end, end=shard.bytes) if shard.bytes >= end else b""
+    if len(tail) < 2 * BLOCK_BYTES or tail.strip(b"\0"):
+        return [f"{url}: does not end with a tar end-of-archive after its last sample"]
+    return []
+
+
 def upgrade(root: str, *, progress: bool = True, storage_options: dict[str, Any] | None = None) -> str:
-    """Bring a schema-1/2 dataset to the current schema in place: each shard's index is written
-    (read from the shard's tar headers, checked against the old manifest), then the new manifest,
-    atomically. No shard is rewritten; running it again, or after an interruption, is safe."""
+    """Bring an older dataset to the current schema in place: each shard's index is written for
+    schema 1/2 (read from the shard's tar headers, checked against the old manifest), then the new
+    manifest, atomically. No shard is rewritten; running it again, or after an interruption, is safe."""
     manifest = read_manifest(root, storage_options)
     if manifest.version == SCHEMA_VERSION:
         return f"{root}: already schema {SCHEMA_VERSION}; nothing to do"
@@ -131,7 +148,10 @@ def upgrade(root: str, *, progress: bool = True, storage_options: dict[str, Any]
     for name, shards in manifest.splits.items():
         upgraded = []
         for shard in shards:
-            assert shard.inline is not None
+            if shard.inline is None:  # (schema 3: its index file stays as it is)
+                upgraded.append(shard)
+                bar.update(shard.samples)
+                continue
             old, url = shard.inline, join(root, shard.name)
             members = []
             for i, data in _samples(fs, join(base, shard.name), old):
@@ -149,5 +169,5 @@ def upgrade(root: str, *, progress: bool = True, storage_options: dict[str, Any]
     bar.close()
     new = Manifest(manifest.kind, splits, manifest.options, manifest.fingerprint, manifest.skipped)
     write_bytes(fs, join(base, MANIFEST_NAME), new.to_json())  # last: the indexes it lists are in place
-    shards = sum(len(s) for s in splits.values())
+    shards = sum(s.inline is not None for split in manifest.splits.values() for s in split)
     return f"{root}: upgraded from schema {manifest.version} to {SCHEMA_VERSION}: {shards} shard indexes written, no shard changed"

@@ -104,4 +104,4 @@ def test_unpack_record_refuses_extension_types():
 def test_records_round_trip_and_kind_names():
     record = {"a": 1, "b": [1.5, "x"], "c": b"\0\1"}
     assert unpack_record(pack_record(record)) == record
-    assert set(KIND_NAMES) == {"sa1b", "vqa", "embeddings"}
+    assert set(KIND_NAMES) == {"sa1b", "vqa", "embeddings", "webdataset"}

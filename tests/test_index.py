@@ -186,7 +186,7 @@ def test_schema_2_streams_as_before_and_upgrades_in_place_byte_identical(request
         assert _epoch(str(old)) == _epoch(str(packed))
         assert "shard-pack upgrade" in caplog.text, "a hint"
     assert main(["upgrade", str(old)]) == 0
-    assert "upgraded from schema 2 to 3" in capsys.readouterr().out
+    assert "upgraded from schema 2 to 4" in capsys.readouterr().out
     assert _files(old) == _files(packed), "indexes and manifest as packing writes them, shards untouched"
     assert {n: d for n, d in _files(old).items() if n.endswith(".tar")} == shards
     assert main(["upgrade", str(old)]) == 0 and "nothing to do" in capsys.readouterr().out

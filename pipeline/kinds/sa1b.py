@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,14 +20,15 @@ import torch
 
 from pipeline.collate import empty, pack_bits, padded_images, unpack_bits
 from pipeline.errors import SampleError
-from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_RECORD_FIELDS, decode_array, unpack_record
+from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, decode_array, encode_array, pack_record,
+                             parse_json, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
-from pipeline.rle import RLEError, fit, raster
+from pipeline.rle import RLEError, check, fit, raster
 
 __all__ = [
     "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "unbatch", "check_batch",
     "BATCH_FIELDS",
-    "MAX_IMAGE_PIXELS",
+    "MAX_IMAGE_PIXELS", "annotation_record", "original_members",
     "Sa1b",
 ]
 
@@ -100,7 +102,10 @@ def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.
 
 def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int = 0, seed: int, epoch: int, url: str,
                   key: str) -> dict[str, Any]:
-    """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is decoded."""
+    """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is decoded.
+    An original sample (`jpg` + `json`, indexed in place) is checked as packing checks it first."""
+    if SA1B_JSON in members:
+        members = original_members(members, url, key)
     if set(members) != {SA1B_JPG, SA1B_ANN}:
         raise SampleError(url, key, None, f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_ANN]}")
     try:
@@ -257,6 +262,91 @@ def check_batch(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list
     if batch["masks"][~valid].any():
         problems.append("masks: non-zero padding beyond mask_counts")
     return problems
+
+
+def _field(obj: Any, name: str, kind: type | tuple[type, ...], where: str, key: str, field: str) -> Any:
+    value = obj.get(name) if isinstance(obj, dict) else None
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise SampleError(where, key, field, f"missing or not {getattr(kind, '__name__', kind)}: {value!r}"[:200])
+    return value
+
+
+def _numbers(value: Any, count: int | None, where: str, key: str, field: str) -> list[float]:
+    ok = isinstance(value, list) and (count is None or len(value) == count)
+    if ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+        return [float(v) for v in value]
+    raise SampleError(where, key, field, f"want {count or 'some'} finite numbers, got {value!r}"[:200])
+
+
+def annotation_record(meta: Any, where: str, key: str, *,
+                      every_rle: bool = True) -> tuple[dict[str, Any], int, int]:
+    """Check SA-1B's per-image JSON and turn it into the stored record (RLE counts kept compressed),
+    without `stored_size`; with the image's height and width. Packing and the reader of original
+    archives both call it: a sample is accepted or refused alike on both sides. `every_rle=False`
+    leaves the masks' RLE unchecked (the reader checks the masks it rasterizes; ~70% of the cost)."""
+    image = _field(meta, "image", dict, where, key, "image")
+    image_id = _field(image, "image_id", int, where, key, "image.image_id")
+    width = _field(image, "width", int, where, key, "image.width")
+    height = _field(image, "height", int, where, key, "image.height")
+    file_name = _field(image, "file_name", str, where, key, "image.file_name")
+    if not (0 < width and 0 < height and width * height <= MAX_IMAGE_PIXELS):
+        raise SampleError(where, key, "image", f"invalid size {width}x{height}")
+    annotations = _field(meta, "annotations", list, where, key, "annotations")
+    columns: dict[str, list[Any]] = {n: [] for n in ("counts", "ids", "bbox", "area", "predicted_iou",
+                                                      "stability_score", "point_coords", "point_counts", "crop_box")}
+    for i, ann in enumerate(annotations):
+        at = f"annotations[{i}]"
+        seg = _field(ann, "segmentation", dict, where, key, f"{at}.segmentation")
+        size = seg.get("size")
+        if size != [height, width]:
+            raise SampleError(where, key, f"{at}.segmentation.size", f"RLE size {size!r} disagrees with the image's [{height}, {width}]")
+        counts = _field(seg, "counts", str, where, key, f"{at}.segmentation.counts")
+        if not counts.isascii():
+            raise SampleError(where, key, f"{at}.segmentation.counts", "not an ASCII COCO RLE string")
+        columns["counts"].append(counts.encode("ascii"))
+        columns["ids"].append(_field(ann, "id", int, where, key, f"{at}.id"))
+        columns["bbox"].append(_numbers(ann.get("bbox"), 4, where, key, f"{at}.bbox"))
+        columns["crop_box"].append(_numbers(ann.get("crop_box"), 4, where, key, f"{at}.crop_box"))
+        for name in ("area", "predicted_iou", "stability_score"):
+            columns[name] += _numbers([ann.get(name)], 1, where, key, f"{at}.{name}")
+        points = ann.get("point_coords")
+        if not isinstance(points, list) or not points:
+            raise SampleError(where, key, f"{at}.point_coords", f"want a non-empty list of [x, y], got {points!r}"[:200])
+        columns["point_coords"] += [_numbers(p, 2, where, key, f"{at}.point_coords") for p in points]
+        columns["point_counts"].append(len(points))
+    if every_rle:
+        try:
+            check(columns["counts"], (height, width))
+        except RLEError as exc:
+            raise SampleError(where, key, f"annotations[{exc.index}].segmentation.counts", f"invalid RLE: {exc}") from exc
+    n = len(annotations)
+    record = {
+        "image": {"image_id": image_id, "width": width, "height": height, "file_name": file_name},
+        "counts": columns["counts"],
+        "ids": encode_array(np.array(columns["ids"], dtype=np.int64)),
+        "bbox": encode_array(np.array(columns["bbox"], dtype=np.float64).reshape(n, 4)),
+        "crop_box": encode_array(np.array(columns["crop_box"], dtype=np.float64).reshape(n, 4)),
+        "point_coords": encode_array(np.array(columns["point_coords"], dtype=np.float64).reshape(-1, 2)),
+        "point_counts": encode_array(np.array(columns["point_counts"], dtype=np.uint32)),
+        **{name: encode_array(np.array(columns[name], dtype=np.float64))
+           for name in ("area", "predicted_iou", "stability_score")},
+    }
+    return record, height, width
+
+
+def original_members(members: dict[str, Any], url: str, key: str) -> dict[str, Any]:
+    """An original SA-1B sample (`jpg` + `json`, as Meta ships it) as the members of a packed one:
+    its JSON parsed within size and nesting limits and checked by `annotation_record`, as packing does
+    (but for the RLE of masks `decode_sample` does not rasterize: it checks those it does)."""
+    if set(members) != {SA1B_JPG, SA1B_JSON}:
+        raise SampleError(url, key, None, f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_JSON]}")
+    try:
+        meta = parse_json(members[SA1B_JSON])
+    except ValueError as exc:
+        raise SampleError(url, key, SA1B_JSON, f"invalid JSON: {exc}"[:300]) from exc
+    record, height, width = annotation_record(meta, url, key, every_rle=False)  # (`shard-pack index` checked them all)
+    record["stored_size"] = [height, width]  # (the JPEG's size: `shard-pack index` checked it against the JSON's)
+    return {SA1B_JPG: members[SA1B_JPG], SA1B_ANN: pack_record(record)}
 
 
 @dataclasses.dataclass(frozen=True)
