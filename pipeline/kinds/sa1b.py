@@ -173,13 +173,14 @@ def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str
     b, s, m = len(samples), options.image_size, options.mask_frame
     n = max(len(x["masks"]) for x in samples)
     layout = [("images", "uint8", (b, 3, s, s)), ("masks_packed", "uint8", (b, n, m, -(-m // 8))),
-              ("columns", "float32", (b, n, sum(width for _, width in _MASK_COLUMNS))), ("info", "int64", (b, sum(width for _, width in _IMAGE_COLUMNS)))]
+              ("columns", "float32", (b, n, sum(width for _, width in _MASK_COLUMNS))),
+              ("info", "int64", (b, sum(width for _, width in _IMAGE_COLUMNS)))]
     offsets, total = column_offsets(layout)
     flat = empty((total,), torch.uint8)
-    batch: dict[str, Any] = {
-        name: flat[offset : offset + math.prod(shape) * storage_dtype(dtype).itemsize].view(getattr(torch, dtype)).view(shape)
-        for (name, dtype, shape), offset in zip(layout, offsets)
-    }
+    batch: dict[str, Any] = {}
+    for (name, dtype, shape), offset in zip(layout, offsets):
+        nbytes = math.prod(shape) * storage_dtype(dtype).itemsize
+        batch[name] = flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
     padded_images([x["image"] for x in samples], s, s, batch["images"])
     masks, columns = batch["masks_packed"].zero_(), batch["columns"].zero_()
     batch["info"].copy_(torch.tensor([[len(x["masks"]), x["image_id"], *x["original_size"], *x["image_size"]]
