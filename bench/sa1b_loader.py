@@ -8,6 +8,9 @@
     full-resolution JPEG decode; same DataLoader settings.
 (c) floor: only the decode work the batch needs (JPEG at reduced scale + the 64 sampled masks
     rasterised at 256), in one single-threaded process, on bytes already in memory, times the cores.
+Besides samples/s: CPU time per sample of all of a method's processes (the steadier loader/floor
+ratio on a busy machine), time to the first batch from constructing the loader, and peak memory of
+the process tree (main + workers, VmHWM summed; Linux), each beside its reference from the same run.
 Each runs in its own subprocess so its peak memory is its own. Timings are medians over epochs
 (after a warm-up epoch); compare them as ratios within one run, never across machines.
 """
