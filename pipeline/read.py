@@ -19,7 +19,7 @@ from pipeline.config import LoaderConfig
 from pipeline.errors import ShardError
 from pipeline.format import ShardIndex, ShardInfo
 from pipeline.index import SplitIndex, Where
-from pipeline.storage import ShardCache, ShardReader, shard_url
+from pipeline.storage import ShardCache, ShardReader, release_pages, shard_url
 from pipeline.tario import parse_sample
 
 __all__ = ["Opened", "ProcessReaders", "SampleReads"]
@@ -94,6 +94,7 @@ class SampleReads:
         self.pool = concurrent.futures.ThreadPoolExecutor(config.read_threads, thread_name_prefix="shardstream-read")
         self.sized: dict[tuple[int, int], concurrent.futures.Future[None]] = {}  # shards' size checks
         self.inflight: dict[Where, concurrent.futures.Future[bytes | memoryview]] = {}
+        self.taken: dict[Where, bytes | memoryview] = {}  # taken and not kept open: released when `done`
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -171,7 +172,15 @@ class SampleReads:
         if units > 1 and source.by_units:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
             opened.keep(where, (sample, len(data) if isinstance(data, bytes) else 0, url, key))
+        else:
+            self.taken[where] = data
         return sample, url, key
+
+    def done(self, where: Where) -> None:
+        """A sample taken is decoded: its mapped pages leave this process's memory (`release_pages`)."""
+        data = self.taken.pop(where, None)
+        if data is not None:
+            release_pages(data)
 
     def start_downloads(self) -> None:
         for reader in self.readers:
