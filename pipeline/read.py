@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,7 +98,8 @@ class SampleReads:
         self.taken: dict[Where, bytes | memoryview] = {}  # taken and not kept open: released when `done`
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if not sys.is_finalizing():  # (an iterator left open at exit: the interpreter ends the threads itself)
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     def unit_starts(self, number: int, shards: list[int]) -> dict[int, np.ndarray]:
         """The first unit of each sample of these shards of source `number`, from their indexes
