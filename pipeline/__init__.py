@@ -3,7 +3,7 @@
 
 from pipeline.errors import ManifestError, SampleError, ShardError, ShardstreamError
 from pipeline.config import LoaderConfig
-from pipeline.loader import StreamLoader, make_stream_dataset, make_stream_loader, validate_first_batch
+from pipeline.loader import LoaderStats, StreamLoader, make_stream_dataset, make_stream_loader, validate_first_batch
 from pipeline.plan import World, plan_epoch
 from pipeline.tario import ReadLimits
 from pipeline.trainers import trainer_dataset, trl_dataset
@@ -15,6 +15,7 @@ __all__ = [
     "trainer_dataset",
     "trl_dataset",
     "StreamLoader",
+    "LoaderStats",
     "LoaderConfig",
     "ReadLimits",
     "World",

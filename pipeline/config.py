@@ -52,6 +52,7 @@ class LoaderConfig:
     storage_options: dict[str, Any] | None = None  # fsspec's, for every source
     weights: Sequence[float] | None = None  # several sources mixed in these shares
     epoch_size: int | None = None  # samples per epoch of a mix
+    stats_every: int | None = None  # log `loader.stats()` (INFO, logger "pipeline.loader") every this many batches
     # The DataLoader's (DATALOADER_SETTINGS):
     device: str | torch.device | None = None
     pin_memory: bool | None = None
@@ -85,6 +86,8 @@ class LoaderConfig:
         if (self.rank is None) != (self.world_size is None):
             raise ValueError(f"rank and world_size go together, got rank={self.rank!r} and world_size="
                              f"{self.world_size!r}: pass both, or neither to take them from torch.distributed")
+        if self.stats_every is not None:
+            _at_least("stats_every", self.stats_every, 1)
         if self.world_size is not None:
             _at_least("world_size", self.world_size, 1)
             _at_least("rank", self.rank, 0)

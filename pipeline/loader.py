@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
@@ -19,11 +22,15 @@ from pipeline.format import Manifest
 from pipeline.index import SplitIndex
 from pipeline.kinds import kind_of
 from pipeline.plan import Mix, Resume, World
+from pipeline.stats import MAIN_STAGES, Clock, LoaderStats
 from pipeline.state import ORDER_SETTINGS, STATE_VERSION, fingerprint, resume_point
 from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
 from pipeline.stream import ShardStream, WorkerError
 
-__all__ = ["LoaderConfig", "StreamLoader", "make_stream_loader", "make_stream_dataset", "validate_first_batch"]
+__all__ = ["LoaderConfig", "LoaderStats", "StreamLoader", "make_stream_loader", "make_stream_dataset",
+           "validate_first_batch"]
+
+log = logging.getLogger(__name__)
 
 
 class StreamLoader:
@@ -40,6 +47,24 @@ class StreamLoader:
         self._fingerprint = fingerprint(manifests, stream.mix.counts if stream.mix else None)
         self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
         self._generation = 0  # of the current iteration: an iterator of an earlier one is no longer valid
+        self._clock, self._yielded = Clock(MAIN_STAGES), 0  # the main process's times (`stats`)
+        self._baseline = self._figures()
+
+    def _figures(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(main-process nanoseconds per stage and batches yielded, the workers' totals, skipped) so far."""
+        main = np.array([*self._clock.ns.values(), self._yielded], dtype=np.int64)
+        return main, self._stream.times.totals(), self.skipped
+
+    def stats(self, reset: bool = False) -> LoaderStats:
+        """Where the time went since the loader was made (or since the last `stats(reset=True)`): per
+        stage in this process and, summed, in its DataLoader workers, with a verdict (`pipeline.stats`).
+        Workers' figures count the batches they finished, some of which may still be in transit; the
+        loop's time with a batch counts when it asks for the next one (or ends the iteration)."""
+        now = self._figures()
+        main, workers, skipped = (a - b for a, b in zip(now, self._baseline))
+        if reset:
+            self._baseline = now
+        return LoaderStats.of(main, workers, self._stream.times, skipped)
 
     @property
     def epoch(self) -> int:
@@ -83,20 +108,25 @@ class StreamLoader:
         """The DataLoader's batches, each taken only while `generation` is current (persistent workers
         serve whichever iteration asks: a stale one must not take a batch of the next)."""
         self._check_current(generation)
+        clock, start = self._clock, time.perf_counter_ns()  # the hand-off: from asking to getting (workers start)
         batches = iter(self._loader)
         while True:
             self._check_current(generation)
             try:
                 batch = next(batches)
             except StopIteration:
+                clock.add("hand-off", time.perf_counter_ns() - start)
                 return
             except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
                 raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
                                    f"memory?): {_describe(exc)}") from exc
+            clock.add("hand-off", time.perf_counter_ns() - start)
             yield batch
+            start = time.perf_counter_ns()
 
     def _iterate(self, generation: int) -> Iterator[dict[str, Any]]:
-        stream = self._stream
+        stream, clock, every = self._stream, self._clock, self.config.stats_every
+        clock.mark()
         history, world_size = stream.state.history, stream.world_size
         batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._pulled(generation))
         if self.device is not None and self.device.type == "cuda":
@@ -107,11 +137,24 @@ class StreamLoader:
         done = history[-1].batches if history and history[-1].world_size == world_size else 0
         past = history[:-1] if done else history
         self._taken = (*past, Resume(world_size, done))
+        clock.split("other")
         for batch in batches:
+            clock.split("fetch")
             self._check_current(generation)  # (the device stage takes a batch ahead)
             done += 1  # counted as handed over: a checkpoint taken while the batch is in use includes it
             self._taken = (*past, Resume(world_size, done))
-            yield stream.kind.finish(batch)
+            clock.split("other")
+            finished = stream.kind.finish(batch)
+            del batch  # (released here, not at the next fetch: freeing its tensors is finishing's cost)
+            self._yielded += 1
+            clock.split("finish")
+            yield finished
+            clock.split("loop")
+            if every is not None and self._yielded % every == 0:
+                stats = self.stats()
+                log.info("loader stats after %d batches: %s", self._yielded, stats, extra={"loader_stats": stats})
+                clock.split("other")
+        clock.split("fetch")
         if generation == self._generation:
             stream.state.set(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
 
@@ -327,6 +370,8 @@ def make_stream_dataset(source: str | Sequence[str], split: str, *, max_workers:
     theirs = sorted(set(settings) & set(DATALOADER_SETTINGS))
     if theirs:
         raise ValueError(f"make_stream_dataset does not take {theirs}: the DataLoader that iterates it decides those")
+    if settings.get("stats_every") is not None or (config is not None and config.stats_every is not None):
+        raise ValueError("make_stream_dataset does not take stats_every: it has no stats() (make_stream_loader's has)")
     config, options = _config(config, settings)
     return _stream(source, split, config, options, max_workers=max_workers, finished=True, flatten=flatten,
                    split_workers=split_workers)[0]

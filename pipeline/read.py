@@ -20,6 +20,7 @@ from pipeline.config import LoaderConfig
 from pipeline.errors import ShardError
 from pipeline.format import ShardIndex, ShardInfo
 from pipeline.index import SplitIndex, Where
+from pipeline.stats import Clock
 from pipeline.storage import ShardCache, ShardReader, release_pages, shard_url
 from pipeline.tario import parse_sample
 
@@ -87,11 +88,13 @@ class ProcessReaders:
 
 class SampleReads:
     """One iteration's reads: each sample's bytes asked for once (`ahead`), in `read_threads` threads,
-    with its shard's size checked beside the first one; `take` waits for a sample and opens it."""
+    with its shard's size checked beside the first one; `take` waits for a sample and opens it (the
+    time of each on `clock`: "read", "open")."""
 
     def __init__(self, sources: Sequence[SplitIndex], readers: list[ShardReader], opened: Opened,
-                 config: LoaderConfig, open: Open) -> None:
+                 config: LoaderConfig, open: Open, clock: Clock | None = None) -> None:
         self.sources, self.readers, self.opened, self.limits, self.open = sources, readers, opened, config.limits, open
+        self.clock = clock or Clock(("read", "open"))
         self.pool = concurrent.futures.ThreadPoolExecutor(config.read_threads, thread_name_prefix="shardstream-read")
         self.sized: dict[tuple[int, int], concurrent.futures.Future[None]] = {}  # shards' size checks
         self.inflight: dict[Where, concurrent.futures.Future[bytes | memoryview]] = {}
@@ -165,12 +168,15 @@ class SampleReads:
         if where not in self.inflight:  # (dropped from the open samples since its read was asked for)
             self._submit(where)
         future = self.inflight.pop(where)
+        self.clock.mark()
         if (number, shard) in self.sized:
             self.sized[(number, shard)].result()
         data = future.result()
+        self.clock.split("read")
         units = int(index.units[at])
         members = index.sample_members(at) if index.members is not None else None  # (checked where the index says)
         sample = self.open(parse_sample(data, url, key, self.limits, members, index.span(at)[0]), url, key, units)
+        self.clock.split("open")
         if units > 1 and source.by_units:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
             opened.keep(where, (sample, len(data) if isinstance(data, bytes) else 0, url, key))

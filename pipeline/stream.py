@@ -26,6 +26,7 @@ from pipeline.kinds import Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_batch_count, rank_sample_count
 from pipeline.read import ProcessReaders, SampleReads
 from pipeline.state import EpochState
+from pipeline.stats import Clock, WorkerTable
 
 __all__ = ["ShardStream", "WorkerError"]
 
@@ -54,6 +55,7 @@ class ShardStream(IterableDataset):
         self.state = EpochState()
         # Samples skipped per worker: over all epochs (row 0) and in the current iteration (row 1).
         self.skipped = torch.zeros(2, max(1, max_workers), dtype=torch.int64).share_memory_()
+        self.times = WorkerTable(kind.stages, max_workers)  # each worker's time per stage (`pipeline.stats`)
         # With verify="sha256": per shard of each source, the (inode, size, mtime) whose content matched
         # the manifest's SHA-256, shared so that a shard is hashed by one worker only.
         verified = torch.zeros(sum(len(s.split) for s in sources), 3, dtype=torch.int64).share_memory_() \
@@ -116,7 +118,8 @@ class ShardStream(IterableDataset):
 
     def _batches(self, world: World, epoch: int, history: tuple[Resume, ...]) -> Iterator[Any]:
         """plan -> read (`read_ahead` batches ahead of decoding) -> open/decode -> collate."""
-        cfg = self.config
+        cfg, clock = self.config, self.times.clock()
+        active = clock.last  # since the batch's work began (the plan's and readers' too): not waiting at `yield`
         budget = cfg.max_errors  # skips allowed in this iteration of the rank
         if isinstance(budget, float):
             budget = int(budget * self.rank_samples(history))
@@ -124,18 +127,23 @@ class ShardStream(IterableDataset):
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
         readers, opened = self.readers.get()
-        reads = SampleReads(self.sources, readers, opened, cfg, self._open)
+        reads = SampleReads(self.sources, readers, opened, cfg, self._open, clock)
         prepared: dict[int, list[tuple[Where, Any]]] = {}
         try:
             for i, (batch, _, _) in enumerate(plan):
                 for later in range(i + cfg.read_ahead if i else 0, min(i + 1 + cfg.read_ahead, len(plan))):
                     wheres, prepared[later] = self._prepare(reads, *plan[later][1:])
                     reads.ahead(wheres)
-                pieces = self._decode(reads, prepared.pop(i), epoch, world.worker, budget)
+                pieces, lost = self._decode(reads, prepared.pop(i), epoch, world.worker, budget, clock)
                 if not pieces:
                     raise ShardError(self.sources[0].root, f"all {len(plan[i][2])} samples of batch {batch} failed; ranks "
                                      "cannot stay in step")
-                yield self._collate(pieces, world, epoch)
+                clock.mark()
+                collated = self._collate(pieces, world, epoch)
+                clock.add("active", clock.split("collate") - active)
+                self.times.flush(world.worker, clock, len(plan[i][2]) - lost)
+                yield collated
+                active = clock.mark()
                 if i == 0:
                     reads.start_downloads()
             reads.settle()
@@ -156,27 +164,33 @@ class ShardStream(IterableDataset):
         return group(sources, samples, units, self.kind.grouped)
 
     def _decode(self, reads: SampleReads, work: Sequence[tuple[Where, Any]], epoch: int, worker: int,
-                budget: int | None) -> list[Any]:
-        """The batch's decoded samples; with on_error="skip", those that fail are counted and left out
-        (more than `budget` in this iteration of the rank: an error)."""
-        cfg, pieces = self.config, []
+                budget: int | None, clock: Clock) -> tuple[list[Any], int]:
+        """The batch's decoded samples and how many of its units failed; with on_error="skip", those
+        that fail are counted and left out (more than `budget` in this iteration of the rank: an error)."""
+        cfg, pieces, lost = self.config, [], 0
+        times, start = clock.ns, clock.mark()
+        taken = times["read"] + times["open"]  # (decode: the loop's time but `take`'s; no clock calls per piece)
         for where, unit in work:
             try:
                 sample, url, key = reads.take(where)
                 try:
-                    pieces.append(self.kind.decode(sample, unit=unit, seed=cfg.seed, epoch=epoch, url=url, key=key))
+                    pieces.append(self.kind.decode(sample, unit=unit, seed=cfg.seed, epoch=epoch, url=url, key=key,
+                                                   clock=clock))
                 finally:
                     reads.done(where)
             except ShardstreamError as exc:
                 if cfg.on_error == "raise":
                     raise
-                self.skipped[:, worker] += len(unit) if self.kind.grouped else 1
+                count = len(unit) if self.kind.grouped else 1
+                self.skipped[:, worker] += count
+                lost += count
                 log.warning("skipped: %s", exc)
                 skipped = int(self.skipped[1].sum())
                 if budget is not None and skipped > budget:
                     raise ShardError(self.sources[where[0]].root, f"{skipped} samples skipped in this epoch, "
                                      f"more than max_errors={cfg.max_errors} allows ({budget}); last: {exc}") from exc
-        return pieces
+        clock.add("decode", clock.mark() - start - (times["read"] + times["open"] - taken))
+        return pieces, lost
 
     def _collate(self, samples: list[Any], world: World, epoch: int) -> Any:
         if self.leases is None or get_worker_info() is None:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from pipeline.errors import ShardstreamError
 from pipeline.format import BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name
 from pipeline.kinds import KINDS, Kind
+from pipeline.stats import Clock
 from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, shard_url, write_bytes
 from pipeline.tario import parse_sample, sample_members
 
@@ -119,7 +120,7 @@ def _check_samples(reader: ShardReader, url: str, shard: ShardInfo, index: Shard
             every = np.arange(units if kind.units else 1)
             sample = kind.open(members, url=url, key=key, units=units)
             for unit in [every] if kind.grouped else every.tolist():
-                kind.decode(sample, unit=unit, seed=0, epoch=0, url=url, key=key)
+                kind.decode(sample, unit=unit, seed=0, epoch=0, url=url, key=key, clock=Clock(kind.stages))
         except ShardstreamError as exc:
             problems.append(str(exc))
     return problems

@@ -6,6 +6,10 @@ questions of an image): when `units` is true the plan orders units, the loader o
 and decodes its units one by one, or, for a `grouped` kind, all of a batch's units of a sample at
 once (an array of them: the batch holds them together, samples in order of their first unit).
 A new kind is one module here and one entry in `KINDS` (and its name in `format.KIND_NAMES`).
+
+Stats: `decode` is handed a `pipeline.stats.Clock` and may time parts of its work on it under the
+names in `stages` (`clock.mark()` before a part, `clock.split(name)` after it); `loader.stats()`
+shows each as "decode (name)" and the rest of the call as "decode (rest)".
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pipeline.format import Manifest
 from pipeline.kinds.embeddings import Embeddings
 from pipeline.kinds.sa1b import Sa1b
 from pipeline.kinds.vqa import Vqa
+from pipeline.stats import Clock
 
 __all__ = ["Kind", "KINDS", "kind_of"]
 
@@ -27,6 +32,7 @@ class Kind(Protocol):
     options: Any  # the kind's frozen options
     grouped: bool
     units: bool  # whether the plan orders a sample's units (else: samples)
+    stages: tuple[str, ...]  # the parts of `decode` it times on its clock (see the module docstring)
 
     @classmethod
     def of(cls, manifests: Sequence[Manifest], limits: Any, **options: Any) -> Kind:
@@ -39,8 +45,9 @@ class Kind(Protocol):
     def open(self, members: dict[str, Any], *, url: str, key: str, units: int) -> Any:
         """A sample's members -> what `decode` takes (checked against the `units` the index says)."""
 
-    def decode(self, opened: Any, *, unit: Any, seed: int, epoch: int, url: str, key: str) -> Any:
-        """One unit (or, grouped, an array of units) of an opened sample, as `collate` takes it."""
+    def decode(self, opened: Any, *, unit: Any, seed: int, epoch: int, url: str, key: str, clock: Clock) -> Any:
+        """One unit (or, grouped, an array of units) of an opened sample, as `collate` takes it; the
+        time of its `stages` on `clock`."""
 
     def collate(self, samples: Sequence[Any], epoch: int) -> Any:
         """Decoded samples -> a batch in transit (in a worker)."""

@@ -26,6 +26,7 @@ from pipeline.format import (
     BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, column_offsets, storage_dtype,
     unpack_columns,
 )
+from pipeline.stats import Clock
 
 __all__ = [
     "Field", "EmbeddingsOptions", "Block", "options_from_manifests", "verify_options", "units", "open_block", "decode",
@@ -387,6 +388,7 @@ class Embeddings:
     options: EmbeddingsOptions
     grouped = True
     units = True  # a block's rows
+    stages = ()  # decode is one stage
 
     @classmethod
     def of(cls, manifests: Sequence[Manifest], limits: Any, **options: Any) -> Embeddings:
@@ -399,7 +401,8 @@ class Embeddings:
     def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> Block:
         return open_block(members, self.options, url=url, key=key, units=units)
 
-    def decode(self, block: Block, *, unit: np.ndarray, seed: int, epoch: int, url: str, key: str) -> _Rows:
+    def decode(self, block: Block, *, unit: np.ndarray, seed: int, epoch: int, url: str, key: str,
+               clock: Clock) -> _Rows:
         return decode(block, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key)
 
     def collate(self, pieces: Sequence[_Rows], epoch: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, 
                              encode_array, pack_record, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import RLEError, check, fit, raster
+from pipeline.stats import Clock
 
 __all__ = [
     "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "unbatch", "check_batch",
@@ -34,6 +35,7 @@ __all__ = [
 ]
 
 _MASKS = 3  # SeedSequence purpose, beside the plan's
+STAGES = ("image", "masks")  # the parts of `decode_sample` it times (`Kind.stages`)
 
 BATCH_FIELDS = {
     "images": torch.uint8,
@@ -102,9 +104,10 @@ def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.
 
 
 def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int = 0, seed: int, epoch: int, url: str,
-                  key: str) -> dict[str, Any]:
+                  key: str, clock: Clock | None = None) -> dict[str, Any]:
     """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is decoded.
     An original sample (`jpg` + `json`, indexed in place) is checked as packing checks it first."""
+    clock = clock or Clock(STAGES)
     if SA1B_JSON in members:
         members = original_members(members, url, key)
     if set(members) != {SA1B_JPG, SA1B_ANN}:
@@ -139,11 +142,14 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
     chosen = choose_masks(n, options.masks_for(epoch), seed, epoch, key)
     frame = fit(height, width, options.image_size)
     mask_frame = frame if options.mask_size is None else fit(height, width, options.mask_size)
+    clock.mark()
     image = decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels)
+    clock.split("image")
     try:
         masks = raster([counts[i] for i in chosen], (height, width), mask_frame)
     except RLEError as exc:
         raise SampleError(url, key, "counts", f"mask {int(chosen[exc.index])}: {exc}") from exc
+    clock.split("masks")
 
     (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
     x, y, bw, bh = columns["bbox"][chosen].T
@@ -367,6 +373,7 @@ class Sa1b:
     options: Sa1bOptions
     grouped = False
     units = False  # one unit per sample: the plan orders samples
+    stages = STAGES
 
     @classmethod
     def of(cls, manifests: Sequence[Any], limits: Any, **options: Any) -> Sa1b:
@@ -380,8 +387,9 @@ class Sa1b:
     def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> dict[str, bytes]:
         return members
 
-    def decode(self, members: dict[str, bytes], *, unit: int, seed: int, epoch: int, url: str, key: str) -> dict[str, Any]:
-        return decode_sample(members, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key)
+    def decode(self, members: dict[str, bytes], *, unit: int, seed: int, epoch: int, url: str, key: str,
+               clock: Clock) -> dict[str, Any]:
+        return decode_sample(members, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key, clock=clock)
 
     def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
         return collate(samples, self.options)

@@ -31,6 +31,7 @@ from pipeline.format import (
 )
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import fit
+from pipeline.stats import Clock
 
 __all__ = [
     "VqaOptions", "VqaSample", "BATCH_FIELDS", "units", "open_sample", "decode_sample", "collate",
@@ -44,6 +45,7 @@ BATCH_FIELDS = {"images": torch.uint8, "image_sizes": torch.int64, "original_siz
 _COUNT = {"question": "question_index", "image": "question_counts"}  # the per-sample integer column, per `per`
 LIST_FIELDS = ("keys", "paths", "questions", "answers", "fields")
 _FORMATS = {ext: fmt for fmt, ext in VQA_IMAGE_EXTS.items()}
+STAGES = ("image",)  # the part of `decode_sample` it times (`Kind.stages`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +132,9 @@ def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key
 
 
 def decode_sample(sample: VqaSample, options: VqaOptions, *, unit: int = 0, seed: int, epoch: int, url: str,
-                  key: str) -> dict[str, Any]:
+                  key: str, clock: Clock | None = None) -> dict[str, Any]:
     """One unit: the image in its frame and one question (per="question") or all of them (per="image")."""
+    clock = clock or Clock(STAGES)
     questions = sample.questions
     if options.per == "question":
         _check(unit < len(questions), url, key, "questions", f"question {unit} asked for, the sample holds "
@@ -139,8 +142,10 @@ def decode_sample(sample: VqaSample, options: VqaOptions, *, unit: int = 0, seed
         questions = [questions[unit]]
     height, width = sample.stored_size
     frame = None if options.image_size is None else fit(height, width, options.image_size)
+    clock.mark()
     pixels = decode_image(sample.data, frame, url, key, options.max_image_pixels, formats=(_FORMATS[sample.ext],),
                           field=sample.ext, size=sample.stored_size)
+    clock.split("image")
     return {
         "key": key,
         "path": sample.image["path"],
@@ -276,6 +281,7 @@ class Vqa:
 
     options: VqaOptions
     grouped = False
+    stages = STAGES
 
     @classmethod
     def of(cls, manifests: Sequence[Any], limits: Any, *, per: str = "question", image_size: int | None = 448,
@@ -294,8 +300,9 @@ class Vqa:
     def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> VqaSample:
         return open_sample(members, self.options, url=url, key=key, units=units)
 
-    def decode(self, sample: VqaSample, *, unit: int, seed: int, epoch: int, url: str, key: str) -> dict[str, Any]:
-        return decode_sample(sample, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key)
+    def decode(self, sample: VqaSample, *, unit: int, seed: int, epoch: int, url: str, key: str,
+               clock: Clock) -> dict[str, Any]:
+        return decode_sample(sample, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key, clock=clock)
 
     def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any] | list[dict[str, Any]]:
         return collate(samples, self.options)

@@ -1,0 +1,145 @@
+"""Where a loader's time goes: per-stage clocks in the workers and the main process, a shared table
+the workers add to once per batch, and `LoaderStats`, the figures and a verdict (`StreamLoader.stats`).
+
+Workers time: waiting for reads, open, decode (and the kind's own parts of it, `Kind.stages`),
+collate, and the rest of their active time (planning, the batch's hand-over to the DataLoader).
+The main process times: the hand-off (blocked on the DataLoader's next batch), the device copy,
+`kind.finish`, and the training loop (between the loader's yields); together with a small rest,
+they are the wall time."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Clock", "WorkerTable", "LoaderStats", "INPUT_BOUND", "verdict"]
+
+WORKER_STAGES = ("read", "open", "decode", "collate", "active")  # "decode": the whole call, the kind's parts included
+MAIN_STAGES = ("hand-off", "fetch", "finish", "loop", "other")  # "fetch": hand-off + device copy
+INPUT_BOUND = 0.10  # the step waited at least this share of the wall time: input-bound, else compute-bound
+
+
+class Clock:
+    """Nanoseconds per named stage: `split(stage)` gives `stage` the time since the last `mark` or
+    `split`. A kind's `decode` is handed one and splits its own `Kind.stages` (an undeclared name:
+    KeyError); the time it does not split stays the decode's rest."""
+
+    __slots__ = ("ns", "last")
+
+    def __init__(self, stages: Sequence[str]) -> None:
+        self.ns = dict.fromkeys(stages, 0)
+        self.last = time.perf_counter_ns()
+
+    def mark(self) -> int:
+        self.last = now = time.perf_counter_ns()
+        return now
+
+    def split(self, stage: str) -> int:
+        now = time.perf_counter_ns()
+        self.ns[stage] += now - self.last
+        self.last = now
+        return now
+
+    def add(self, stage: str, ns: int) -> None:
+        self.ns[stage] += ns
+
+
+class WorkerTable:
+    """Per worker of a stream: nanoseconds per stage, samples and batches, in shared memory. A worker
+    adds its clock to its row once per batch (`flush`); rows only grow, so the main process reads
+    them without locks (a row read mid-update is off by at most that batch)."""
+
+    def __init__(self, kind_stages: Sequence[str], workers: int) -> None:
+        clash = set(kind_stages) & set(WORKER_STAGES)
+        if clash or len(set(kind_stages)) != len(kind_stages):
+            raise ValueError(f"a kind's stages must be distinct and other than {WORKER_STAGES}, got {kind_stages}")
+        self.stages = (*WORKER_STAGES, *kind_stages)
+        self.kind_stages = tuple(kind_stages)
+        self.table = torch.zeros(max(1, workers), len(self.stages) + 2, dtype=torch.int64).share_memory_()
+        self.view: tuple[int, np.ndarray] | None = None  # (pid, the table as numpy in that process): cheaper writes
+
+    def __getstate__(self) -> dict[str, Any]:  # (a spawned worker makes its own view)
+        return {**self.__dict__, "view": None}
+
+    def clock(self) -> Clock:
+        return Clock(self.stages)
+
+    def flush(self, worker: int, clock: Clock, samples: int) -> None:
+        """Add the clock's times, `samples` and one batch to the worker's row; the clock starts afresh."""
+        if self.view is None or self.view[0] != os.getpid():
+            self.view = (os.getpid(), self.table.numpy())
+        self.view[1][worker] += (*clock.ns.values(), samples, 1)
+        clock.ns = dict.fromkeys(self.stages, 0)
+
+    def totals(self) -> np.ndarray:
+        """Over all workers: nanoseconds per stage, then samples and batches."""
+        return self.table.numpy().sum(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderStats:
+    """A loader's figures over a span (`StreamLoader.stats`): seconds per stage, counts, the verdict.
+
+    `main`: the main process's stages, which add up to `wall_s` ("training loop": the loop held the
+    batch; "hand-off": blocked on the DataLoader's next batch, which with num_workers=0 holds the
+    workers' stages themselves). `workers`: summed over this rank's workers ("other": the rest of
+    their active time)."""
+
+    wall_s: float
+    batches: int  # yielded
+    samples: int  # decoded by the workers (a batch made before a reset and yielded after counts before it)
+    skipped: int
+    main: dict[str, float]
+    workers: dict[str, float]
+    waited: float  # the share of the wall time the step waited for the loader
+    verdict: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        lines = [self.verdict, f"{self.batches} batches, {self.samples} samples, {self.skipped} skipped, "
+                 f"{self.wall_s:.2f} s wall", f"{'stage':<24}{'seconds':>9}{'share':>8}{'ms/sample':>11}"]
+        per = 1000 / max(1, self.samples)
+        for title, figures in (("main process", self.main), ("workers", self.workers)):
+            total = sum(figures.values()) or 1.0
+            lines.append(f"{title}:")
+            lines += [f"  {name:<22}{s:>9.3f}{s / total:>8.1%}{s * per:>11.2f}" for name, s in figures.items()]
+        return "\n".join(lines)
+
+    @classmethod
+    def of(cls, main: np.ndarray, workers: np.ndarray, table: WorkerTable, skipped: int) -> LoaderStats:
+        """From the main clock's nanoseconds (`MAIN_STAGES`, then batches) and the workers' totals."""
+        m = dict(zip(MAIN_STAGES, (main[:-1] / 1e9).tolist()))
+        w = dict(zip(table.stages, (workers[:-2] / 1e9).tolist()))
+        parts = {f"decode ({name})": w[name] for name in table.kind_stages}
+        stages = {"read wait": w["read"], "open": w["open"], **parts,
+                  "decode (rest)" if parts else "decode": w["decode"] - sum(parts.values()), "collate": w["collate"]}
+        stages["other"] = w["active"] - sum(stages.values())
+        main_stages = {"hand-off": m["hand-off"], "device copy": m["fetch"] - m["hand-off"], "finish": m["finish"],
+                       "other": m["other"], "training loop": m["loop"]}
+        wall = sum(main_stages.values())
+        waited = 1 - m["loop"] / wall if wall > 0 else 0.0
+        return cls(wall, int(main[-1]), int(workers[-2]), skipped, main_stages, stages, waited,
+                   verdict(waited, int(main[-1]), main_stages, stages))
+
+
+def verdict(waited: float, batches: int, main: dict[str, float], workers: dict[str, float]) -> str:
+    """Input-bound when the step waited `INPUT_BOUND` of the time or more (and what dominates the wait:
+    the workers' largest stage, or a main-process stage), else compute-bound."""
+    if not batches:
+        return "no batches yet"
+    head = f"the step waited {waited:.0%} of the time"
+    if waited < INPUT_BOUND:
+        return f"compute-bound: {head}; the loader keeps up"
+    wait = {name: s for name, s in main.items() if name != "training loop"}
+    largest = max(wait, key=wait.__getitem__)
+    if largest != "hand-off" or not any(s > 0 for s in workers.values()):
+        return f"input-bound: {head}; {largest} in the main process dominates"
+    return f"input-bound: {head}; {max(workers, key=workers.__getitem__)} dominates the workers' time"
