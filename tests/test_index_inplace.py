@@ -165,8 +165,8 @@ def test_webdataset_tars_indexed_as_webdataset_groups_them(tmp_path, capsys):
                                                      key=lambda m: m[1])
             assert all(len(sample[e]) == where[f"{sample['__key__']}.{e}"][1] for e in exts)
     assert main(["-q", "verify", root]) == 0 and "verify: OK" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="cannot read kind 'webdataset' yet"):
-        make_stream_loader(root, "train", batch_size=2, num_workers=0)
+    with pytest.raises(ValueError, match="is decoded by your own function: pass decode=fn"):
+        make_stream_loader(root, "train", batch_size=2, num_workers=0)  # (decode= missing)
 
 
 def test_webdataset_keys_that_are_not_sample_keys_are_skipped_and_named(tmp_path):
