@@ -8,6 +8,9 @@
     full-resolution JPEG decode; same DataLoader settings.
 (c) floor: only the decode work the batch needs (JPEG at reduced scale + the 64 sampled masks
     rasterised at 256), in one single-threaded process, on bytes already in memory, times the cores.
+Besides samples/s: CPU time per sample of all of a method's processes (the steadier loader/floor
+ratio on a busy machine), time to the first batch from constructing the loader, and peak memory of
+the process tree (main + workers, VmHWM summed; Linux), each beside its reference from the same run.
 Each runs in its own subprocess so its peak memory is its own. Timings are medians over epochs
 (after a warm-up epoch); compare them as ratios within one run, never across machines.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import pathlib
 import resource
@@ -55,13 +59,34 @@ def _peak_mb() -> tuple[float, float]:
     return own, children
 
 
+def _proc(pid: int, name: str) -> str:
+    return (pathlib.Path("/proc") / str(pid) / name).read_text()
+
+
+def tree_peak_mb() -> float:
+    """Peak RSS of this process plus its live children (DataLoader workers), each one's VmHWM summed:
+    an upper bound of the tree's peak, as the peers were measured (Linux)."""
+    pids = [os.getpid(), *(p.pid for p in multiprocessing.active_children())]
+    return sum(int(next(line.split()[1] for line in _proc(pid, "status").splitlines() if line.startswith("VmHWM")))
+               for pid in pids) / 1024
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process plus its live children so far (Linux)."""
+    pids = [p.pid for p in multiprocessing.active_children()]
+    ticks = sum(sum(map(int, _proc(pid, "stat").rsplit(")", 1)[1].split()[11:13])) for pid in pids)
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def timed_epochs(loader, epochs: int, field: str) -> dict:
     """Epoch 0 warms the page cache and starts the workers; then, per timed epoch, samples/s (counted
-    by `len(batch[field])`) and seconds to the first batch. `samples` counts every epoch's."""
-    rates, first, total = [], [], 0
+    by `len(batch[field])`) and seconds to the first batch. `samples` counts every epoch's;
+    `cpu_ms` is the CPU time of the process tree per sample of the timed epochs."""
+    rates, first, total, timed, cpu = [], [], 0, 0, 0.0
     for epoch in range(epochs + 1):
         loader.set_epoch(epoch)
-        start, n = time.perf_counter(), 0
+        start, n, cpu_start = time.perf_counter(), 0, tree_cpu_s()
         for i, batch in enumerate(loader):
             if i == 0 and epoch:
                 first.append(time.perf_counter() - start)
@@ -69,7 +94,8 @@ def timed_epochs(loader, epochs: int, field: str) -> dict:
         total += n
         if epoch:
             rates.append(n / (time.perf_counter() - start))
-    return {"rates": rates, "first": first, "samples": total}
+            timed, cpu = timed + n, cpu + tree_cpu_s() - cpu_start
+    return {"rates": rates, "first": first, "samples": total, "cpu_ms": cpu / max(timed, 1) * 1000}
 
 
 def packed_samples(shards: pathlib.Path, split: str = "train"):  # -> Iterator[tuple[str, dict[str, bytes]]]
@@ -88,11 +114,15 @@ def packed_samples(shards: pathlib.Path, split: str = "train"):  # -> Iterator[t
 def run_loader(data: pathlib.Path, workers: int, epochs: int) -> dict:
     from pipeline import make_stream_loader
 
+    start = time.perf_counter()
     loader = make_stream_loader(str(data / "shards"), "train", num_workers=workers, **SETTINGS)
+    next(iter(loader))
+    cold = time.perf_counter() - start  # from constructing the loader, workers started on the way
     timed = timed_epochs(loader, epochs, "keys")
+    tree = tree_peak_mb()
     del loader
     return {"rate": statistics.median(timed["rates"]), "first_batch_s": statistics.median(timed["first"]),
-            "peak_mb": _peak_mb()}
+            "cold_first_batch_s": cold, "cpu_ms": timed["cpu_ms"], "peak_mb": _peak_mb(), "tree_mb": tree}
 
 
 class NaiveDataset:
@@ -133,14 +163,18 @@ def run_naive(data: pathlib.Path, workers: int, samples: int) -> dict:
 
     dataset = NaiveDataset(data / "files")
     subset = torch.utils.data.Subset(dataset, range(min(samples, len(dataset))))
-    loader = torch.utils.data.DataLoader(subset, batch_size=SETTINGS["batch_size"], num_workers=workers)
+    begin = time.perf_counter()
+    loader = torch.utils.data.DataLoader(subset, batch_size=SETTINGS["batch_size"], num_workers=workers,
+                                         persistent_workers=workers > 0)  # (alive at the end: their peak is read)
     start, n = time.perf_counter(), 0
     for i, batch in enumerate(loader):
         if i == 0:
             start = time.perf_counter()  # workers started, first batch in: the steady state begins
+            cold = start - begin
         else:
             n += len(batch["images"])
-    return {"rate": n / (time.perf_counter() - start), "peak_mb": _peak_mb()}
+    return {"rate": n / (time.perf_counter() - start), "cold_first_batch_s": cold, "peak_mb": _peak_mb(),
+            "tree_mb": tree_peak_mb()}
 
 
 def run_floor(data: pathlib.Path, cores: int) -> dict:
@@ -156,16 +190,18 @@ def run_floor(data: pathlib.Path, cores: int) -> dict:
     for key, members in packed_samples(data / "shards"):
         record = unpack_record(members["msgpack"])
         work.append((key, members["jpg"], record["counts"], record["image"]["height"], record["image"]["width"]))
-    passes = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for key, jpg, counts, height, width in work:
+    passes, cpu = [], []
+    for n in (SETTINGS["batch_size"], len(work), len(work), len(work)):  # the first batch, cold; 3 passes
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for key, jpg, counts, height, width in work[:n]:
             decode_image(jpg, fit(height, width, SETTINGS["image_size"]), "m", key)
             chosen = choose_masks(len(counts), SETTINGS["max_masks"], 0, 0, key)
             raster([counts[i] for i in chosen], (height, width), fit(height, width, SETTINGS["mask_size"]))
-        passes.append((time.perf_counter() - start) / len(work))
-    per_sample = statistics.median(passes)
-    return {"rate": cores / per_sample, "per_sample_ms": per_sample * 1000, "peak_mb": _peak_mb()}
+        passes.append((time.perf_counter() - start) / n)
+        cpu.append((time.process_time() - cpu_start) / n)
+    per_sample = statistics.median(passes[1:])
+    return {"rate": cores / per_sample, "per_sample_ms": per_sample * 1000, "cpu_ms": statistics.median(cpu[1:]) * 1000,
+            "first_batch_s": passes[0] * SETTINGS["batch_size"], "peak_mb": _peak_mb()}
 
 
 def run_child(script: str, *argv: str) -> dict:
@@ -174,11 +210,14 @@ def run_child(script: str, *argv: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def paired_rounds(child, rounds: int) -> tuple[list[dict], list[dict], list[float]]:
+def paired_rounds(child, rounds: int) -> tuple[list[dict], list[dict], list[float], list[float]]:
     """Floor and loader runs (`child(method)`), alternating: (floors, loaders, each round's loader
-    rate over the floor run just before it). The machine's speed wanders; pairs see it alike."""
+    rate over the floor run just before it, and the floor's CPU time per sample over the loader's,
+    all its processes counted). The machine's speed wanders; pairs see it alike. On a busy machine
+    the CPU ratio is the steadier: time waiting for a core counts in neither."""
     pairs = [(child("floor"), child("loader")) for _ in range(rounds)]
-    return [a for a, _ in pairs], [b for _, b in pairs], [b["rate"] / a["rate"] for a, b in pairs]
+    return ([a for a, _ in pairs], [b for _, b in pairs], [b["rate"] / a["rate"] for a, b in pairs],
+            [a["cpu_ms"] / b["cpu_ms"] for a, b in pairs])
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -215,20 +254,29 @@ def main() -> None:
     print(f"data: {manifest.samples('train')} images 1500x2250 (portrait every third), "
           f"{sum(1 for _ in (data / 'files').glob('*.json'))} json files; settings {SETTINGS}, "
           f"num_workers={args.workers}, cores={os.cpu_count()}", flush=True)
-    floors, loaders, ratios = paired_rounds(lambda method: _child(method, data, args), args.rounds)
+    floors, loaders, ratios, cpu_ratios = paired_rounds(lambda method: _child(method, data, args), args.rounds)
     results = {"floor": median_run(floors), "loader": median_run(loaders), "naive": _child("naive", data, args)}
     floor, loader, naive = (results[m]["rate"] for m in ("floor", "loader", "naive"))
-    print(f"{'method':<44}{'samples/s':>10}{'peak RSS MB (main / largest worker)':>40}")
+    print(f"{'method':<44}{'samples/s':>10}{'peak RSS MB (main / largest worker)':>40}{'tree MB':>9}")
     for method, label in (("floor", f"(c) floor: decode work only x {args.workers} cores"),
                           ("loader", "(a) make_stream_loader"), ("naive", "(b) naive: pycocotools decode all, sample")):
         own, children = results[method]["peak_mb"]
-        print(f"{label:<44}{results[method]['rate']:>10.1f}{own:>22.0f} / {children:.0f}")
-    print(f"floor per sample, one core: {results['floor']['per_sample_ms']:.1f} ms; "
-          f"loader time to first batch: {results['loader']['first_batch_s']:.2f} s")
-    print(f"loader / floor = {statistics.median(ratios):.0%} (target >= 70%; median of {args.rounds} rounds, each the "
-          f"loader beside the floor run just before it: {', '.join(f'{r:.0%}' for r in ratios)}); "
+        tree = results[method].get("tree_mb", own)
+        print(f"{label:<44}{results[method]['rate']:>10.1f}{own:>22.0f} / {children:<17.0f}{tree:>9.0f}")
+    firsts = [r["cold_first_batch_s"] for r in loaders]
+    print(f"floor per sample, one core: {results['floor']['per_sample_ms']:.1f} ms wall, {results['floor']['cpu_ms']:.1f} ms "
+          f"CPU; loader: {results['loader']['cpu_ms']:.1f} ms CPU per sample (all its processes)")
+    print(f"loader / floor = {statistics.median(ratios):.0%} by samples/s, {statistics.median(cpu_ratios):.0%} by CPU per "
+          f"sample (target >= 90%; medians of {args.rounds} rounds, each the loader beside the floor run just before it: "
+          f"{', '.join(f'{r:.0%}' for r in ratios)}; by CPU {', '.join(f'{r:.0%}' for r in cpu_ratios)}); "
           f"loader / naive = {loader / naive:.1f}x (target >= 20x)")
-
+    print(f"time to first batch from constructing the loader: {statistics.median(firsts):.2f} s (median of "
+          f"{', '.join(f'{f:.2f}' for f in firsts)}); reference: one batch's decode work in one fresh process "
+          f"{statistics.median(r['first_batch_s'] for r in floors):.2f} s, naive loader "
+          f"{results['naive']['cold_first_batch_s']:.2f} s (target <= 0.32 s, the best peer's in issue 17)")
+    print(f"peak memory of the process tree (VmHWM summed): loader {statistics.median(r['tree_mb'] for r in loaders):.0f} MB; "
+          f"reference: naive loader, same DataLoader settings, {results['naive']['tree_mb']:.0f} MB (target <= 1.1 x "
+          f"the best peer's 1080 MB in issue 17)")
 
 if __name__ == "__main__":
     main()

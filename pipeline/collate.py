@@ -177,10 +177,10 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return _pool.take(nbytes)[:nbytes].view(dtype).view(shape)
 
 
-def padded_images(images: Sequence[torch.Tensor], height: int, width: int) -> torch.Tensor:
+def padded_images(images: Sequence[torch.Tensor], height: int, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """(B, 3, height, width) uint8 from (3, h, w) RGB images, each at the top left and zero-padded (only the
-    padding is written besides the image: `empty` may hand back a recycled buffer)."""
-    out = empty((len(images), 3, height, width), torch.uint8)
+    padding is written besides the image: `empty` may hand back a recycled buffer), in `out` if given."""
+    out = empty((len(images), 3, height, width), torch.uint8) if out is None else out
     for i, image in enumerate(images):
         _, h, w = image.shape
         out[i, :, :h, :w] = image
@@ -191,13 +191,18 @@ def padded_images(images: Sequence[torch.Tensor], height: int, width: int) -> to
 
 def pack_bits(masks: np.ndarray) -> np.ndarray:
     """(..., w) bool -> (..., ceil(w / 8)) uint8, most significant bit first."""
-    return np.packbits(masks, axis=-1)
+    if masks.shape[-1] % 8 or not masks.flags.c_contiguous:
+        return np.packbits(masks, axis=-1)
+    return np.packbits(masks.reshape(-1)).reshape(*masks.shape[:-1], masks.shape[-1] // 8)  # (~2x faster)
 
 
 def unpack_bits(packed: torch.Tensor, width: int) -> torch.Tensor:
     """Inverse of `pack_bits` for a tensor on any device: (..., ceil(width / 8)) uint8 -> (..., width) bool."""
     if packed.device.type == "cpu":
-        return torch.from_numpy(np.unpackbits(packed.numpy(), axis=-1, count=width).view(np.bool_))
+        bits = packed.numpy()
+        if width == 8 * bits.shape[-1] and bits.flags.c_contiguous:  # (~15% faster)
+            return torch.from_numpy(np.unpackbits(bits.reshape(-1)).view(np.bool_).reshape(*bits.shape[:-1], width))
+        return torch.from_numpy(np.unpackbits(bits, axis=-1, count=width).view(np.bool_))
     bits = torch.tensor(_BITS, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(-1) & bits) != 0).flatten(-2)[..., :width]
 

@@ -1,13 +1,17 @@
-"""Shared-memory batch buffers: workers recycle them, and never one the main process still holds."""
+"""Shared-memory batch buffers: workers recycle them, and never one the main process still holds; bit-packed
+masks and padded images."""
 
 from __future__ import annotations
 
 import gc
 import pickle
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the reductions that share tensors)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multiprocessing.reduction import ForkingPickler
 
 from pipeline import collate, make_stream_loader
@@ -114,3 +118,22 @@ def test_held_batches_stay_intact_and_dropped_ones_come_back(sa1b_dataset, persi
         busy.append(int((table != 0).sum()))
         del batch
     assert max(busy) <= 2 * 2 * 4, "buffers come back as batches are dropped (2 a batch, 4 batches a worker in flight)"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3), st.integers(1, 20), st.integers(1, 40), st.booleans(), st.integers(0, 2**32 - 1))
+def test_pack_bits_is_numpys_and_unpack_bits_inverts_it(k, h, w, strided, seed):
+    masks = np.random.default_rng(seed).random((k, h, 2 * w if strided else w)) < 0.5
+    masks = masks[:, :, ::2] if strided else masks  # (not contiguous: packed row by row)
+    packed = collate.pack_bits(masks)
+    np.testing.assert_array_equal(packed, np.packbits(masks, axis=-1))
+    assert torch.equal(collate.unpack_bits(torch.from_numpy(packed), w), torch.from_numpy(np.ascontiguousarray(masks)))
+
+
+def test_padded_images_fills_the_given_tensor_padding_included():
+    images = [torch.full((3, 2, 3), 7, dtype=torch.uint8), torch.full((3, 4, 1), 9, dtype=torch.uint8)]
+    out = torch.full((2, 3, 4, 4), 255, dtype=torch.uint8)  # (a recycled buffer: old bytes everywhere)
+    assert collate.padded_images(images, 4, 4, out) is out
+    expected = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+    expected[0, :, :2, :3], expected[1, :, :4, :1] = 7, 9
+    assert torch.equal(out, expected)

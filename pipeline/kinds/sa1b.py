@@ -16,12 +16,13 @@ from typing import Any
 
 import msgpack.exceptions
 import numpy as np
+import numpy.random  # noqa: F401  (imported on first use otherwise: ~20 ms of each worker's first batch)
 import torch
 
 from pipeline.collate import empty, pack_bits, padded_images, unpack_bits
 from pipeline.errors import SampleError
-from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, decode_array, encode_array, parse_json,
-                             unpack_record)
+from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
+                             encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import RLEError, check, fit, raster
 
@@ -175,21 +176,31 @@ _IMAGE_COLUMNS = (("mask_counts", 1), ("image_ids", 1), ("original_sizes", 2), (
 
 def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str, Any]:
     """A batch in transit (see `finish`): square images padded with zeros, masks bit-packed,
-    per-mask columns stacked and padded with zeros to the largest mask count of the batch."""
+    per-mask columns stacked and padded with zeros to the largest mask count of the batch; all
+    four on one buffer (`empty`'s: in a worker, one lease and no shared-memory file per batch)."""
     b, s, m = len(samples), options.image_size, options.mask_frame
     n = max(len(x["masks"]) for x in samples)
-    images = padded_images([x["image"] for x in samples], s, s)
-    masks = empty((b, n, m, -(-m // 8)), torch.uint8).zero_()
-    columns = torch.zeros(b, n, sum(width for _, width in _MASK_COLUMNS))
-    info = torch.tensor([[len(x["masks"]), x["image_id"], *x["original_size"], *x["image_size"]] for x in samples],
-                        dtype=torch.int64)
+    layout = [("images", "uint8", (b, 3, s, s)), ("masks_packed", "uint8", (b, n, m, -(-m // 8))),
+              ("columns", "float32", (b, n, sum(width for _, width in _MASK_COLUMNS))),
+              ("info", "int64", (b, sum(width for _, width in _IMAGE_COLUMNS)))]
+    offsets, total = column_offsets(layout)
+    flat = empty((total,), torch.uint8)
+    batch: dict[str, Any] = {}
+    for (name, dtype, shape), offset in zip(layout, offsets):
+        nbytes = math.prod(shape) * storage_dtype(dtype).itemsize
+        batch[name] = flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
+    padded_images([x["image"] for x in samples], s, s, batch["images"])
+    masks, columns = batch["masks_packed"].zero_(), batch["columns"].zero_()
+    batch["info"].copy_(torch.tensor([[len(x["masks"]), x["image_id"], *x["original_size"], *x["image_size"]]
+                                      for x in samples], dtype=torch.int64))
     for i, x in enumerate(samples):
         packed = pack_bits(x["masks"])
         c, mh, mb = packed.shape
         masks[i, :c, :mh, :mb] = torch.from_numpy(packed)
         stacked = np.concatenate([np.reshape(x[name], (c, width)) for name, width in _MASK_COLUMNS], axis=1)
         columns[i, :c] = torch.from_numpy(stacked.astype(np.float32))
-    return {"images": images, "masks_packed": masks, "columns": columns, "info": info, "keys": [x["key"] for x in samples]}
+    batch["keys"] = [x["key"] for x in samples]
+    return batch
 
 
 def _split(stacked: torch.Tensor, layout: tuple[tuple[str, int], ...]) -> dict[str, torch.Tensor]:
