@@ -5,8 +5,9 @@ masks 256, max 64), and what reading the originals' JSON costs per sample.
     python bench/inplace_loader.py [--images 128] [--rounds 5] [--epochs 2]
 
 Each round runs the packed loader then the originals' loader, each in a fresh process (one warm-up
-epoch, then `--epochs` timed); the ratio of each round's pair is printed, and their median. Timings
-are medians; compare them as ratios within one run, never across machines.
+epoch, then `--epochs` timed); the ratio of each round's pair is printed, and their median, by
+samples/s and by CPU time per sample of all the loader's processes (steadier on a busy machine).
+Compare them as ratios within one run, never across machines.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import tarfile
 import time
 
-from sa1b_loader import SETTINGS, prepare, run_child, timed_epochs
+from sa1b_loader import SETTINGS, packed_samples, prepare, run_child, timed_epochs
 
 DATASETS = {"packed": "shards", "originals": "indexed"}
 
@@ -28,12 +29,13 @@ def run_loader(root: pathlib.Path, workers: int, epochs: int) -> dict:
     from pipeline import make_stream_loader
 
     timed = timed_epochs(make_stream_loader(str(root), "train", num_workers=workers, **SETTINGS), epochs, "keys")
-    return {"rate": statistics.median(timed["rates"])}
+    return {"rate": statistics.median(timed["rates"]), "cpu_ms": timed["cpu_ms"]}
 
 
-def json_costs(src: pathlib.Path) -> dict:
+def json_costs(data: pathlib.Path) -> dict:
     """Per sample, in one process on bytes in memory (median of 3 passes): parsing the JSON within its
-    limits, the whole original record (parsing and checks), and the whole decode of an original."""
+    limits, the whole original record (parsing and checks), and the whole decode of an original and
+    of the same image packed."""
     import torch
 
     from pipeline.format import parse_json
@@ -41,15 +43,17 @@ def json_costs(src: pathlib.Path) -> dict:
 
     torch.set_num_threads(1)  # (as in a DataLoader worker)
     samples = []
-    for archive in sorted(src.glob("*.tar")):
+    for archive in sorted((data / "src").glob("*.tar")):
         with tarfile.open(archive) as tar:
             files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
         samples += [(name[:-4], {"jpg": files[name], "json": files[name[:-4] + ".json"]})
                     for name in sorted(files) if name.endswith(".jpg")]
+    packed = dict(packed_samples(data / "shards"))
     options = Sa1bOptions(**{k: v for k, v in SETTINGS.items() if k != "batch_size"})
     steps = {"parse_json": lambda key, m: parse_json(m["json"]),
              "original_record": lambda key, m: original_record(m, "bench", key),
-             "decode_sample": lambda key, m: decode_sample(m, options, seed=0, epoch=0, url="bench", key=key)}
+             "decode_sample": lambda key, m: decode_sample(m, options, seed=0, epoch=0, url="bench", key=key),
+             "decode_packed": lambda key, m: decode_sample(packed[key], options, seed=0, epoch=0, url="bench", key=key)}
     costs = {}
     for name, step in steps.items():
         passes = []
@@ -73,7 +77,7 @@ def main() -> None:
     parser.add_argument("--data")
     args = parser.parse_args()
     if args.only == "json":
-        print(json.dumps(json_costs(pathlib.Path(args.data) / "src")))
+        print(json.dumps(json_costs(pathlib.Path(args.data))))
         return
     if args.only:
         print(json.dumps(run_loader(pathlib.Path(args.data) / DATASETS[args.only], args.workers, args.epochs)))
@@ -88,8 +92,10 @@ def main() -> None:
         return run_child(__file__, "--only", only, "--data", str(data), "--workers", str(args.workers),
                          "--epochs", str(args.epochs))
 
-    pairs = [(child("packed")["rate"], child("originals")["rate"]) for _ in range(args.rounds)]
+    runs = [(child("packed"), child("originals")) for _ in range(args.rounds)]
+    pairs = [(packed["rate"], originals["rate"]) for packed, originals in runs]
     ratios = [originals / packed for packed, originals in pairs]
+    cpu_ratios = [packed["cpu_ms"] / originals["cpu_ms"] for packed, originals in runs]
     costs = child("json")
     print(f"{args.images} images (1500x2250, ~{costs['json_bytes'] / 1e3:.0f} kB of JSON each), batch "
           f"{SETTINGS['batch_size']}, {args.workers} workers, {args.rounds} rounds of {args.epochs} timed epochs")
@@ -99,8 +105,11 @@ def main() -> None:
           f"{', '.join(f'{o:.1f}' for _, o in pairs)})")
     print(f"  originals / packed, median of the rounds' ratios: {statistics.median(ratios):.2f}  (rounds: "
           f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"  by CPU time per sample of all processes (steadier on a busy machine), packed / originals: "
+          f"{statistics.median(cpu_ratios):.2f}  (rounds: {', '.join(f'{r:.2f}' for r in cpu_ratios)})")
     print(f"  per sample, one core: parse_json {costs['parse_json_ms']:.2f} ms, the whole record (parse + checks) "
-          f"{costs['original_record_ms']:.2f} ms, of a whole decode {costs['decode_sample_ms']:.1f} ms")
+          f"{costs['original_record_ms']:.2f} ms, of a whole decode {costs['decode_sample_ms']:.1f} ms (the same image "
+          f"packed: {costs['decode_packed_ms']:.1f} ms, ratio {costs['decode_packed_ms'] / costs['decode_sample_ms']:.2f})")
 
 
 if __name__ == "__main__":
