@@ -3,7 +3,8 @@ function: `make_stream_loader(root, split, batch_size=..., decode=fn, collate=No
 
 `decode(sample)` gets a sample as webdataset's own pipelines give it: a dict of its members by
 extension (`"jpg"`, `"seg.png"`, ...) as `bytes`, with `"__key__"` (the sample's key) and
-`"__url__"` (its archive) beside them, and returns anything `collate` takes (by default torch's
+`"__url__"` (its archive) beside them (in the dict, as webdataset puts them, not as a second
+argument: a function written for a webdataset pipeline's `map` works unchanged), and returns anything `collate` takes (by default torch's
 `default_collate`; the batch reaches you as torch's DataLoader hands batches over, so a tuple
 comes as a list). Members come as bytes, not views, so that what `decode` keeps (a dict of
 them, a lazily decoded image) never pins a shard's memory mapping, and `json.loads` or
