@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import collections
 import io
+import json
+import math
 import tarfile
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pipeline import make_stream_loader
 from pipeline.errors import SampleError, ShardError
+from pipeline.kinds.sa1b import annotation_arrays
 from pipeline.read import MEMBER_GAP, member_ranges
 from pipeline.tario import ReadLimits
 from shard_tools.index import index_sa1b
@@ -130,3 +136,23 @@ def test_member_ranges():
     farther = ("json", 1536 + MEMBER_GAP, 10)
     assert member_ranges([near, farther]) == [(0, 1536, [near]), (1536 + MEMBER_GAP, 2560 + MEMBER_GAP, [farther])]
     assert member_ranges([near, farther], gap=1 << 30) == [(0, 2560 + MEMBER_GAP, [near, farther])]
+
+
+_VALUES = st.one_of(st.integers(-(2**62), 2**62), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                    st.none(), st.text(max_size=2), st.lists(st.floats(-10, 10), max_size=3))
+
+
+@given(st.sampled_from(["area", "predicted_iou", "stability_score", "id"]), st.integers(0, 2), _VALUES)
+def test_annotation_checks_refuse_and_keep_values_as_packing_always_did(sa1b_src, name, i, value):
+    """Each annotation's field is taken as its number, or refused naming that annotation's field."""
+    with tarfile.open(sa1b_src / "sa_000000.tar") as tar:
+        meta = json.loads(tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith(".json"))).read())
+    meta["annotations"][i][name] = value
+    numeric = type(value) is int or (type(value) is float and name != "id" and math.isfinite(value))
+    if not numeric:
+        with pytest.raises(SampleError, match=rf"field 'annotations\[{i}\]\.{name}'"):
+            annotation_arrays(meta, "m", "k")
+        return
+    record, _, _ = annotation_arrays(meta, "m", "k")
+    column = record["ids" if name == "id" else name]
+    assert column[i] == value and column.dtype == (np.int64 if name == "id" else np.float64)
