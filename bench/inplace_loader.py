@@ -33,7 +33,7 @@ def run_loader(root: pathlib.Path, workers: int, epochs: int) -> dict:
 
 
 def json_costs(data: pathlib.Path) -> dict:
-    """Per sample, in one process on bytes in memory (median of 3 passes): parsing the JSON within its
+    """CPU time per sample, in one process on bytes in memory (median of 5 passes): parsing the JSON within its
     limits, the whole original record (parsing and checks), and the whole decode of an original and
     of the same image packed."""
     import torch
@@ -54,15 +54,14 @@ def json_costs(data: pathlib.Path) -> dict:
              "original_record": lambda key, m: original_record(m, "bench", key),
              "decode_sample": lambda key, m: decode_sample(m, options, seed=0, epoch=0, url="bench", key=key),
              "decode_packed": lambda key, m: decode_sample(packed[key], options, seed=0, epoch=0, url="bench", key=key)}
-    costs = {}
-    for name, step in steps.items():
-        passes = []
-        for _ in range(3):
-            start = time.perf_counter()
+    passes: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(5):  # (the steps alternate: the machine's speed wanders)
+        for name, step in steps.items():
+            start = time.process_time()
             for key, members in samples:
                 step(key, members)
-            passes.append((time.perf_counter() - start) / len(samples) * 1000)
-        costs[f"{name}_ms"] = statistics.median(passes)
+            passes[name].append((time.process_time() - start) / len(samples) * 1000)
+    costs = {f"{name}_ms": statistics.median(values) for name, values in passes.items()}
     costs["json_bytes"] = statistics.median(len(m["json"]) for _, m in samples)
     return costs
 

@@ -349,36 +349,37 @@ def _fast_columns(annotations: list[Any], height: int, width: int) -> dict[str, 
     """`_checked_columns` by whole columns (~5x faster): the arrays when every annotation is well
     formed, else None (then the loop checks them one by one, naming the first problem). It accepts
     only what that loop accepts (JSON values: `type() is` is `isinstance` but for bool)."""
+    n = len(annotations)
     try:
-        if not all(type(a) is dict for a in annotations):
+        if {type(a) for a in annotations} - {dict}:
             return None
         segs = [a.get("segmentation") for a in annotations]
-        if not all(type(s) is dict and s.get("size") == [height, width] and type(s.get("counts")) is str
-                   and s["counts"].isascii() for s in segs):
+        if {type(s) for s in segs} - {dict} or [s.get("size") for s in segs].count([height, width]) != n:
             return None
-        columns = {"counts": [s["counts"].encode("ascii") for s in segs], "ids": [a.get("id") for a in annotations]}
-        if not all(type(i) is int for i in columns["ids"]):
+        counts = [s.get("counts") for s in segs]
+        if {type(c) for c in counts} - {str} or not "".join(counts).isascii():
             return None
+        columns = {"counts": [c.encode("ascii") for c in counts], "ids": [a.get("id") for a in annotations]}
         flat = []
         for name, size in _NUMBER_COLUMNS:
             columns[name] = values = [a.get(name) for a in annotations]
             if size:
-                if not all(type(v) is list and len(v) == size for v in values):
+                if {type(v) for v in values} - {list} or {len(v) for v in values} - {size}:
                     return None
-                flat += [x for v in values for x in v]
-            else:
-                flat += values
+                values = [x for v in values for x in v]
+            flat += values
         points = [a.get("point_coords") for a in annotations]
-        if not all(type(p) is list and p for p in points):
+        if {type(p) for p in points} - {list} or [] in points:
             return None
-        columns["point_coords"] = [xy for p in points for xy in p]
-        if not all(type(xy) is list and len(xy) == 2 for xy in columns["point_coords"]):
+        columns["point_coords"] = pairs = [xy for p in points for xy in p]
+        if {type(xy) for xy in pairs} - {list} or {len(xy) for xy in pairs} - {2}:
             return None
-        flat += [v for xy in columns["point_coords"] for v in xy]
-        if not {type(v) for v in flat} <= {int, float} or not np.isfinite(np.array(flat, dtype=np.float64)).all():
+        flat += [v for xy in pairs for v in xy]
+        if {type(i) for i in columns["ids"]} - {int} or {type(v) for v in flat} - {int, float} or \
+                not np.isfinite(np.array(flat, dtype=np.float64)).all():
             return None
         columns["point_counts"] = [len(p) for p in points]
-        return _arrays(columns, len(annotations))
+        return _arrays(columns, n)
     except (OverflowError, ValueError):  # (an int too large for a float or an int64: the loop's to name)
         return None
 
