@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from pipeline.config import LoaderConfig
 from pipeline.errors import ShardError
 from pipeline.format import ShardIndex, ShardInfo
 from pipeline.index import SplitIndex, Where
-from pipeline.storage import ShardCache, ShardReader, shard_url
+from pipeline.storage import ShardCache, ShardReader, release_pages, shard_url
 from pipeline.tario import BLOCK, parse_sample
 
 __all__ = ["MEMBER_GAP", "Opened", "ProcessReaders", "SampleReads", "member_ranges"]
@@ -113,9 +114,11 @@ class SampleReads:
         self.pool = concurrent.futures.ThreadPoolExecutor(config.read_threads, thread_name_prefix="shardstream-read")
         self.sized: dict[tuple[int, int], concurrent.futures.Future[None]] = {}  # shards' size checks
         self.inflight: dict[Where, concurrent.futures.Future[list[tuple[int, bytes | memoryview, Members | None]]]] = {}
+        self.taken: dict[Where, list[bytes | memoryview]] = {}  # taken and not kept open: released when `done`
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if not sys.is_finalizing():  # (an iterator left open at exit: the interpreter ends the threads itself)
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     def unit_starts(self, number: int, shards: list[int]) -> dict[int, np.ndarray]:
         """The first unit of each sample of these shards of source `number`, from their indexes
@@ -200,7 +203,14 @@ class SampleReads:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
             held = sum(len(data) for _, data, _ in pieces if isinstance(data, bytes))
             opened.keep(where, (sample, held, url, key))
+        else:
+            self.taken[where] = [data for _, data, _ in pieces]
         return sample, url, key
+
+    def done(self, where: Where) -> None:
+        """A sample taken is decoded: its mapped pages leave this process's memory (`release_pages`)."""
+        for data in self.taken.pop(where, ()):
+            release_pages(data)
 
     def start_downloads(self) -> None:
         for reader in self.readers:

@@ -163,7 +163,10 @@ class ShardStream(IterableDataset):
         for where, unit in work:
             try:
                 sample, url, key = reads.take(where)
-                pieces.append(self.kind.decode(sample, unit=unit, seed=cfg.seed, epoch=epoch, url=url, key=key))
+                try:
+                    pieces.append(self.kind.decode(sample, unit=unit, seed=cfg.seed, epoch=epoch, url=url, key=key))
+                finally:
+                    reads.done(where)
             except ShardstreamError as exc:
                 if cfg.on_error == "raise":
                     raise

@@ -33,7 +33,7 @@ from pipeline.format import (MANIFEST_NAME, SA1B_JPG, SA1B_JSON, WEBDATASET, Ind
                              check_ext, check_key, check_shard_name)
 from pipeline.storage import filesystem, is_local, join, read_manifest, write_bytes
 from pipeline.tario import BLOCK, ArchiveMember, ReadLimits, scan_archive
-from shard_tools.pack import PackOptions, _exit_with_parent, _Progress, split_of
+from shard_tools.pack import PackOptions, Progress, exit_with_parent, split_of
 from shard_tools.sa1b import check_pair
 
 __all__ = ["IndexSummary", "index_archives", "index_sa1b", "index_webdataset"]
@@ -288,7 +288,7 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     out_url = base if is_local(fs) else fs.unstrip_protocol(base)
     _check_out(fs, base, out, storage_options)
     urls = _archives(sources, storage_options)
-    bar = _Progress(len(urls), progress, unit="archive", what="indexed %d/%d archives")
+    bar = Progress(len(urls), progress, unit="archive", what="indexed %d/%d archives")
     scanned = []
     for result in _map(kind, urls, workers, storage_options):
         scanned.append(result)
@@ -304,7 +304,7 @@ def _map(kind: str, urls: list[str], workers: int, storage_options: dict[str, An
         return
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(urls)), mp_context=context,
-                                                initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
+                                                initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
         try:
             yield from pool.map(_scan, [kind] * len(urls), urls, [storage_options] * len(urls))
         except BaseException:

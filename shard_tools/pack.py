@@ -40,8 +40,8 @@ from pipeline.storage import Retry, filesystem, is_local, join, with_retries, wr
 from pipeline.tario import ShardWriter
 
 __all__ = [
-    "Part", "SampleRef", "PackOptions", "PackSummary", "PackError", "TooManySkipped", "Source", "pack", "parse_splits",
-    "split_of",
+    "Part", "SampleRef", "PackOptions", "PackSummary", "PackError", "Progress", "TooManySkipped", "Source", "pack",
+    "parse_splits", "split_of", "exit_with_parent",
 ]
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class PackSummary:
         ]
 
 
-class _Progress:
+class Progress:
     """A tqdm bar on a terminal; otherwise a plain log line at most every `every` seconds."""
 
     def __init__(self, total: int, enabled: bool, every: float = 10.0, *, unit: str = "img",
@@ -328,7 +328,7 @@ def pack(
     todo = [t for t in tasks if t.name not in records]
     log.info("%d samples in %d shards to write (%d already done); %d inputs skipped while listing",
              sum(len(t.refs) for t in todo), len(todo), reused, len(skipped))
-    bar = _Progress(sum(len(t.refs) for t in todo), progress)
+    bar = Progress(sum(len(t.refs) for t in todo), progress)
     try:
         for task, record in _execute(source, todo, out, options):
             records[task.name] = record
@@ -394,7 +394,7 @@ def _remove_debris(out: str) -> None:
                 os.unlink(partial)
 
 
-def _exit_with_parent(parent: int) -> None:
+def exit_with_parent(parent: int) -> None:
     """In a pool worker: end when the packing process does, even killed (else the worker would finish
     its shard and the ones queued for it, then wait for work forever)."""
 
@@ -417,7 +417,7 @@ def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions)
         return
     context = multiprocessing.get_context("spawn")  # safe with threads (progress bar) and any library
     with concurrent.futures.ProcessPoolExecutor(min(options.workers, len(tasks)), mp_context=context,
-                                                initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
+                                                initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(_run_task, source, task, out): task for task in tasks}
         try:
             for future in concurrent.futures.as_completed(futures):

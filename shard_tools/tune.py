@@ -35,7 +35,7 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 from pipeline import make_stream_loader
-from shard_tools.pack import _Progress
+from shard_tools.pack import Progress
 from shard_tools.preview import mask_colours
 
 __all__ = ["Setting", "Row", "TuneResult", "TuneError", "default_workers", "recommend", "tune", "plot", "WITHIN"]
@@ -157,7 +157,7 @@ def tune(
                                   for r in read_aheads))
     spec = dict(source=source, split=split, batch_size=batch_size, batches=batches, warmup=warmup, seconds=seconds,
                 device=device, options=options)
-    bar = _Progress(len(settings) * (warmup + batches), progress, unit="batch", what="tune: %d/%d batches")
+    bar = Progress(len(settings) * (warmup + batches), progress, unit="batch", what="tune: %d/%d batches")
     try:
         rows = []
         for setting in settings:
@@ -205,7 +205,7 @@ def plot(result: TuneResult, width: int = 480, height: int = 320) -> Image.Image
     return image
 
 
-def _measure(spec: dict[str, Any], setting: Setting, bar: _Progress) -> Row:
+def _measure(spec: dict[str, Any], setting: Setting, bar: Progress) -> Row:
     """Run one setting in a child process, sampling its tree's memory while it runs."""
     with tempfile.TemporaryFile() as errors:
         child = subprocess.Popen([sys.executable, "-m", "shard_tools.tune", json.dumps(spec)], stdout=subprocess.PIPE,

@@ -9,6 +9,8 @@ import os
 import pathlib
 import shutil
 import signal
+import subprocess
+import sys
 import tarfile
 import time
 
@@ -318,3 +320,13 @@ def test_a_worker_killed_is_a_clear_error_and_leaves_nothing_behind(sa1b_dataset
     assert left == [], "shared memory of the batches"
     _same(_epoch(make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=2, **SMALL)),
           _epoch(make_stream_loader(sa1b_dataset, "train", batch_size=1, num_workers=0, **SMALL)))
+
+
+def test_an_iterator_left_open_at_exit_says_nothing(sa1b_dataset):
+    """A script that stops iterating (num_workers=0) and exits prints no shutdown traceback."""
+    script = ("import sys; from pipeline import make_stream_loader\n"
+              f"it = iter(make_stream_loader({sa1b_dataset!r}, 'train', batch_size=2, image_size=64, mask_size=32))\n"
+              "next(it)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

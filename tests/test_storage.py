@@ -426,3 +426,30 @@ def test_two_processes_sharing_a_cache_stay_within_its_limit(sa1b_src, server, t
     assert peaks["all"] <= limit + 100 * len(shards), peaks  # (+ the .ok stamps)
     left = [p.name for p in cache.iterdir() if not p.name.endswith((".tar", ".tar.ok", ".idx", ".json"))]
     assert left == [], "no lock or download left (beside shards, their stamps, indexes and the manifest)"
+
+
+def _rss_file_kb() -> int:
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(fields["RssFile"].split()[0])
+
+
+def test_a_released_mapped_sample_leaves_resident_memory(tmp_path):
+    """Pages of a mapped shard that a sample touched count in the process's RSS until released;
+    released, they leave it (the page cache keeps them) and read back the same bytes."""
+    from pipeline.storage import Retry, ShardReader, release_pages
+
+    data = np.random.default_rng(0).integers(0, 256, 48 << 20, dtype=np.uint8).tobytes()
+    (tmp_path / "s.tar").write_bytes(data)
+    reader = ShardReader(str(tmp_path), None, Retry())
+    view = reader.read("s.tar", len(data), "0" * 64, 4096, len(data) - 4096, "k")
+    if not isinstance(view, memoryview):
+        pytest.skip("no read lease here: shards are read by copy")
+    before = _rss_file_kb()
+    assert int(np.frombuffer(view, np.uint8)[::4096].astype(np.int64).sum()) >= 0  # touch every page
+    touched = _rss_file_kb()
+    release_pages(view)
+    released = _rss_file_kb()
+    assert touched - before > 40_000  # ~48 MB faulted in
+    assert touched - released > 40_000  # and out again
+    assert bytes(view[:1000]) == data[4096:5096] and bytes(view[-1000:]) == data[-5096:-4096]
+    release_pages(b"copied bytes")  # (read by copy: nothing to do)
