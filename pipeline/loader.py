@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import multiprocessing
+import pickle
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ from pipeline.device import prefetch_to_cuda, to_device
 from pipeline.errors import ManifestError
 from pipeline.format import Manifest
 from pipeline.index import SplitIndex
-from pipeline.kinds import kind_of
+from pipeline.kinds import Kind, kind_of
 from pipeline.plan import Mix, Resume, World
 from pipeline.stats import MAIN_STAGES, Clock, LoaderStats
 from pipeline.state import ORDER_SETTINGS, STATE_VERSION, fingerprint, resume_point
@@ -236,6 +238,19 @@ def _world(rank: int | None, world_size: int | None) -> World:
     return world
 
 
+def _check_picklable(kind: Kind, method: str) -> None:
+    """Workers that do not fork receive the dataset by pickle: a kind option that cannot be pickled (a
+    lambda, a local function) is named now, rather than by torch's PicklingError at the first batch."""
+    if method == "fork":
+        return
+    try:
+        pickle.dumps(kind.options)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ValueError(f"multiprocessing_context={method!r} sends the dataset to the workers by pickle, and an option "
+                         f"of the kind cannot be pickled ({exc}): define functions such as decode= and collate= at a "
+                         "module's top level (not a lambda or a local function), or use 'fork'") from exc
+
+
 def _config(config: LoaderConfig | None, settings: dict[str, Any]) -> tuple[LoaderConfig, dict[str, Any]]:
     """(`config` with the loader settings among `settings`, the rest: the kind's options)."""
     mine, options = LoaderConfig.split(settings)
@@ -308,7 +323,8 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     as a `config`, or both (keywords replace the config's); any other keyword is an option of the
     kind (the manifest says which), and one the kind does not take is refused by name. For SA-1B
     `image_size=1024`, `mask_size=256`, `max_masks=64` (an int, or a function of the epoch); for
-    VQA `per="question"` (or "image") and `image_size=448` (or None: as stored). Kinds whose
+    VQA `per="question"` (or "image") and `image_size=448` (or None: as stored); for WebDataset tars
+    indexed in place, your `decode=fn` (required) and `collate=` (`pipeline.kinds.webdataset`). Kinds whose
     samples hold several units (rows of a block, questions of an image) yield units; each worker
     keeps up to `unit_cache_bytes` of such samples open for their next units (read from a mapped
     local file, a sample counts as none: its bytes are the page cache's).
@@ -336,6 +352,7 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     stream, manifests = _stream(source, split, config, options, max_workers=workers)
     if workers:
         stream.leases = Leases(workers)
+        _check_picklable(stream.kind, config.multiprocessing_context or multiprocessing.get_start_method())
     loader = DataLoader(
         stream,
         batch_size=None,

@@ -165,8 +165,8 @@ def test_webdataset_tars_indexed_as_webdataset_groups_them(tmp_path, capsys):
                                                      key=lambda m: m[1])
             assert all(len(sample[e]) == where[f"{sample['__key__']}.{e}"][1] for e in exts)
     assert main(["-q", "verify", root]) == 0 and "verify: OK" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="cannot read kind 'webdataset' yet"):
-        make_stream_loader(root, "train", batch_size=2, num_workers=0)
+    with pytest.raises(ValueError, match="is decoded by your own function: pass decode=fn"):
+        make_stream_loader(root, "train", batch_size=2, num_workers=0)  # (decode= missing)
 
 
 def test_webdataset_keys_that_are_not_sample_keys_are_skipped_and_named(tmp_path):
@@ -414,3 +414,21 @@ def test_a_schema_3_dataset_reads_and_upgrades_to_4_with_its_indexes_unchanged(s
         capsys.readouterr().out
     assert (root / "manifest.json").read_bytes() == current
     assert {n: d for n, d in _files(root).items() if n.endswith(".idx")} == indexes
+
+
+def test_members_far_apart_on_s3_by_range_and_through_the_cache(server, sa1b_src, tmp_path):
+    (key, jpg, meta), = _pairs(sa1b_src)[:1]
+    archive = _tar(tmp_path / "apart.tar", [(f"{key}.jpg", jpg), ("filler.bin", bytes(3 << 20)), (f"{key}.json", meta)])
+    local = tmp_path / "local"
+    index_sa1b([str(archive)], str(local), progress=False)
+    options = storage_options(server.endpoint)
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    bucket = f"t{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    fs.put(str(archive), f"{bucket}/apart/apart.tar")
+    remote = f"s3://{bucket}/apart"
+    index_sa1b([remote], remote, progress=False, storage_options=options)
+    expected = _by_key(str(local), batch_size=1)
+    _assert_same(_by_key(remote, storage_options=options, batch_size=1), expected)
+    _assert_same(_by_key(remote, storage_options=options, batch_size=1, cache_dir=str(tmp_path / "cache"),
+                         cache_limit=1 << 30), expected)

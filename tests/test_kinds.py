@@ -17,7 +17,7 @@ METHODS = ("of", "for_verify", "open", "decode", "collate", "finish", "unbatch",
 
 
 def test_the_registry_is_the_formats_kinds():
-    assert set(KINDS) == set(KIND_NAMES) - {"webdataset"}  # (webdataset's reading side comes later)
+    assert set(KINDS) == set(KIND_NAMES)
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
@@ -44,6 +44,7 @@ def embeddings_manifest(tmp_path_factory):
     ("vqa", {"per": "image", "image_size": None}, {"per": "turn"}, "per must be one of"),
     ("vqa", {"form": "trl"}, {"form": "trl", "per": "image"}, "per must be 'question'"),
     ("embeddings", {"fields": ["x"]}, {"fields": ["nope"]}, "nope"),
+    ("webdataset", {"decode": dict}, {"decode": dict, "collate": 3}, "collate must be a function"),
 ])
 def test_options_of_each_kind_validate(name, good, bad, message, embeddings_manifest):
     kind = KINDS[name]

@@ -22,6 +22,7 @@ from pipeline.kinds.embeddings import Embeddings
 from pipeline.kinds.sa1b import Sa1b
 from pipeline.kinds.vqa import Vqa
 from pipeline.stats import Clock
+from pipeline.kinds.webdataset import WebDataset
 
 __all__ = ["Kind", "KINDS", "kind_of"]
 
@@ -62,15 +63,16 @@ class Kind(Protocol):
         """Problems of a finished batch (keys, shapes, dtypes, ranges); none: []."""
 
 
-KINDS: dict[str, type[Kind]] = {"sa1b": Sa1b, "vqa": Vqa, "embeddings": Embeddings}
+KINDS: dict[str, type[Kind]] = {"sa1b": Sa1b, "vqa": Vqa, "embeddings": Embeddings, "webdataset": WebDataset}
 
 
 def kind_of(manifests: Sequence[Manifest], limits: Any, **options: Any) -> Kind:
     """The kind of these datasets (all of one kind) with the user's options; an option the kind does
     not take is refused with its name."""
     name = manifests[0].kind
-    if name not in KINDS:  # (`webdataset`: indexed by `shard-pack index`; its reading side comes later)
-        raise ValueError(f"the loader cannot read kind {name!r} yet; it reads {sorted(KINDS)}")
+    if name != "webdataset" and {"decode", "collate"} & set(options):
+        raise ValueError(f"decode= and collate= are for webdataset datasets (`shard-pack index webdataset`); {name} "
+                         f"datasets are decoded by their kind, pipeline.kinds.{name} (its options: see make_stream_loader)")
     try:
         return KINDS[name].of(manifests, limits, **options)
     except TypeError as exc:  # an option this kind does not have

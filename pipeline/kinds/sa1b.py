@@ -22,7 +22,7 @@ import torch
 from pipeline.collate import empty, pack_bits, padded_images, unpack_bits
 from pipeline.errors import SampleError
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
-                             encode_array, pack_record, parse_json, storage_dtype, unpack_record)
+                             encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import RLEError, check, fit, raster
 from pipeline.stats import Clock
@@ -30,7 +30,7 @@ from pipeline.stats import Clock
 __all__ = [
     "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "unbatch", "check_batch",
     "BATCH_FIELDS",
-    "MAX_IMAGE_PIXELS", "annotation_record", "original_members",
+    "MAX_IMAGE_PIXELS", "annotation_record", "annotation_arrays", "original_record",
     "Sa1b",
 ]
 
@@ -84,7 +84,7 @@ class Sa1bOptions:
 
 def _array(record: dict[str, Any], name: str, shape: tuple[int, ...], url: str, key: str) -> np.ndarray:
     try:
-        array = decode_array(record[name])
+        array = record[name] if isinstance(record[name], np.ndarray) else decode_array(record[name])  # (originals: arrays)
     except ValueError as exc:
         raise SampleError(url, key, name, str(exc)) from exc
     if array.shape != shape:
@@ -92,6 +92,15 @@ def _array(record: dict[str, Any], name: str, shape: tuple[int, ...], url: str, 
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise SampleError(url, key, name, "NaN or infinite value")
     return array
+
+
+def _packed_record(members: dict[str, Any], url: str, key: str) -> dict[str, Any]:
+    if set(members) != {SA1B_JPG, SA1B_ANN}:
+        raise SampleError(url, key, None, f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_ANN]}")
+    try:
+        return unpack_record(members[SA1B_ANN])
+    except (ValueError, msgpack.exceptions.UnpackException) as exc:
+        raise SampleError(url, key, SA1B_ANN, f"cannot unpack: {exc}") from exc
 
 
 def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.ndarray:
@@ -108,14 +117,10 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
     """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is decoded.
     An original sample (`jpg` + `json`, indexed in place) is checked as packing checks it first."""
     clock = clock or Clock(STAGES)
-    if SA1B_JSON in members:
-        members = original_members(members, url, key)
-    if set(members) != {SA1B_JPG, SA1B_ANN}:
-        raise SampleError(url, key, None, f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_ANN]}")
-    try:
-        record = unpack_record(members[SA1B_ANN])
-    except (ValueError, msgpack.exceptions.UnpackException) as exc:
-        raise SampleError(url, key, SA1B_ANN, f"cannot unpack: {exc}") from exc
+    if SA1B_JSON in members:  # an original sample: its record straight from its JSON, columns as arrays
+        record = original_record(members, url, key)
+    else:
+        record = _packed_record(members, url, key)
     if set(record) != set(SA1B_RECORD_FIELDS):
         raise SampleError(url, key, SA1B_ANN, f"fields {sorted(record)}, expected {sorted(SA1B_RECORD_FIELDS)}")
     info, counts = record["image"], record["counts"]
@@ -301,6 +306,15 @@ def annotation_record(meta: Any, where: str, key: str, *,
     without `stored_size`; with the image's height and width. Packing and the reader of original
     archives both call it: a sample is accepted or refused alike on both sides. `every_rle=False`
     leaves the masks' RLE unchecked (the reader checks the masks it rasterizes; ~70% of the cost)."""
+    record, height, width = annotation_arrays(meta, where, key, every_rle=every_rle)
+    return {name: value if name in ("image", "counts") else encode_array(value) for name, value in record.items()}, \
+        height, width
+
+
+def annotation_arrays(meta: Any, where: str, key: str, *,
+                      every_rle: bool = True) -> tuple[dict[str, Any], int, int]:
+    """`annotation_record` with its columns as numpy arrays, not yet encoded (what the reader of
+    original archives decodes from, with no msgpack round trip)."""
     image = _field(meta, "image", dict, where, key, "image")
     image_id = _field(image, "image_id", int, where, key, "image.image_id")
     width = _field(image, "width", int, where, key, "image.width")
@@ -309,6 +323,75 @@ def annotation_record(meta: Any, where: str, key: str, *,
     if not (0 < width and 0 < height and width * height <= MAX_IMAGE_PIXELS):
         raise SampleError(where, key, "image", f"invalid size {width}x{height}")
     annotations = _field(meta, "annotations", list, where, key, "annotations")
+    columns = _fast_columns(annotations, height, width)
+    if columns is None:  # (something is wrong, or unusual: the loop below names it, or accepts it)
+        columns = _checked_columns(annotations, height, width, where, key)
+    if every_rle:
+        try:
+            check(columns["counts"], (height, width))
+        except RLEError as exc:
+            raise SampleError(where, key, f"annotations[{exc.index}].segmentation.counts", f"invalid RLE: {exc}") from exc
+    return {"image": {"image_id": image_id, "width": width, "height": height, "file_name": file_name}, **columns}, \
+        height, width
+
+
+_NUMBER_COLUMNS = (("bbox", 4), ("crop_box", 4), ("area", 0), ("predicted_iou", 0), ("stability_score", 0))
+
+
+def _arrays(columns: dict[str, list[Any]], n: int) -> dict[str, Any]:
+    """The record's columns as arrays, in their stored dtypes and shapes."""
+    return {  # (in the order packing has always written them: the packed record's bytes stay the same)
+        "counts": columns["counts"],
+        "ids": np.array(columns["ids"], dtype=np.int64),
+        "bbox": np.array(columns["bbox"], dtype=np.float64).reshape(n, 4),
+        "crop_box": np.array(columns["crop_box"], dtype=np.float64).reshape(n, 4),
+        "point_coords": np.array(columns["point_coords"], dtype=np.float64).reshape(-1, 2),
+        "point_counts": np.array(columns["point_counts"], dtype=np.uint32),
+        **{name: np.array(columns[name], dtype=np.float64) for name in ("area", "predicted_iou", "stability_score")},
+    }
+
+
+def _fast_columns(annotations: list[Any], height: int, width: int) -> dict[str, Any] | None:
+    """`_checked_columns` by whole columns (~5x faster): the arrays when every annotation is well
+    formed, else None (then the loop checks them one by one, naming the first problem). It accepts
+    only what that loop accepts (JSON values: `type() is` is `isinstance` but for bool)."""
+    n = len(annotations)
+    try:
+        if {type(a) for a in annotations} - {dict}:
+            return None
+        segs = [a.get("segmentation") for a in annotations]
+        if {type(s) for s in segs} - {dict} or [s.get("size") for s in segs].count([height, width]) != n:
+            return None
+        counts = [s.get("counts") for s in segs]
+        if {type(c) for c in counts} - {str} or not "".join(counts).isascii():
+            return None
+        columns = {"counts": [c.encode("ascii") for c in counts], "ids": [a.get("id") for a in annotations]}
+        flat = []
+        for name, size in _NUMBER_COLUMNS:
+            columns[name] = values = [a.get(name) for a in annotations]
+            if size:
+                if {type(v) for v in values} - {list} or {len(v) for v in values} - {size}:
+                    return None
+                values = [x for v in values for x in v]
+            flat += values
+        points = [a.get("point_coords") for a in annotations]
+        if {type(p) for p in points} - {list} or [] in points:
+            return None
+        columns["point_coords"] = pairs = [xy for p in points for xy in p]
+        if {type(xy) for xy in pairs} - {list} or {len(xy) for xy in pairs} - {2}:
+            return None
+        flat += [v for xy in pairs for v in xy]
+        if {type(i) for i in columns["ids"]} - {int} or {type(v) for v in flat} - {int, float} or \
+                not np.isfinite(np.array(flat, dtype=np.float64)).all():
+            return None
+        columns["point_counts"] = [len(p) for p in points]
+        return _arrays(columns, n)
+    except (OverflowError, ValueError):  # (an int too large for a float or an int64: the loop's to name)
+        return None
+
+
+def _checked_columns(annotations: list[Any], height: int, width: int, where: str, key: str) -> dict[str, Any]:
+    """The record's columns, each annotation checked in turn: the first problem named."""
     columns: dict[str, list[Any]] = {n: [] for n in ("counts", "ids", "bbox", "area", "predicted_iou",
                                                       "stability_score", "point_coords", "point_counts", "crop_box")}
     for i, ann in enumerate(annotations):
@@ -331,39 +414,22 @@ def annotation_record(meta: Any, where: str, key: str, *,
             raise SampleError(where, key, f"{at}.point_coords", f"want a non-empty list of [x, y], got {points!r}"[:200])
         columns["point_coords"] += [_numbers(p, 2, where, key, f"{at}.point_coords") for p in points]
         columns["point_counts"].append(len(points))
-    if every_rle:
-        try:
-            check(columns["counts"], (height, width))
-        except RLEError as exc:
-            raise SampleError(where, key, f"annotations[{exc.index}].segmentation.counts", f"invalid RLE: {exc}") from exc
-    n = len(annotations)
-    record = {
-        "image": {"image_id": image_id, "width": width, "height": height, "file_name": file_name},
-        "counts": columns["counts"],
-        "ids": encode_array(np.array(columns["ids"], dtype=np.int64)),
-        "bbox": encode_array(np.array(columns["bbox"], dtype=np.float64).reshape(n, 4)),
-        "crop_box": encode_array(np.array(columns["crop_box"], dtype=np.float64).reshape(n, 4)),
-        "point_coords": encode_array(np.array(columns["point_coords"], dtype=np.float64).reshape(-1, 2)),
-        "point_counts": encode_array(np.array(columns["point_counts"], dtype=np.uint32)),
-        **{name: encode_array(np.array(columns[name], dtype=np.float64))
-           for name in ("area", "predicted_iou", "stability_score")},
-    }
-    return record, height, width
+    return _arrays(columns, len(annotations))
 
 
-def original_members(members: dict[str, Any], url: str, key: str) -> dict[str, Any]:
-    """An original SA-1B sample (`jpg` + `json`, as Meta ships it) as the members of a packed one:
-    its JSON parsed within size and nesting limits and checked by `annotation_record`, as packing does
-    (but for the RLE of masks `decode_sample` does not rasterize: it checks those it does)."""
+def original_record(members: dict[str, Any], url: str, key: str) -> dict[str, Any]:
+    """An original SA-1B sample's (`jpg` + `json`, as Meta ships it) record, its columns as arrays:
+    its JSON parsed within size and nesting limits and checked by `annotation_arrays`, as packing
+    checks it (but for the RLE of masks `decode_sample` does not rasterize: it checks those it does)."""
     if set(members) != {SA1B_JPG, SA1B_JSON}:
         raise SampleError(url, key, None, f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_JSON]}")
     try:
         meta = parse_json(members[SA1B_JSON])
     except ValueError as exc:
         raise SampleError(url, key, SA1B_JSON, f"invalid JSON: {exc}"[:300]) from exc
-    record, height, width = annotation_record(meta, url, key, every_rle=False)  # (`shard-pack index` checked them all)
+    record, height, width = annotation_arrays(meta, url, key, every_rle=False)  # (`shard-pack index` checked them all)
     record["stored_size"] = [height, width]  # (the JPEG's size: `shard-pack index` checked it against the JSON's)
-    return {SA1B_JPG: members[SA1B_JPG], SA1B_ANN: pack_record(record)}
+    return record
 
 
 @dataclasses.dataclass(frozen=True)
