@@ -293,9 +293,23 @@ def _field(obj: Any, name: str, kind: type | tuple[type, ...], where: str, key: 
     return value
 
 
+def _int64(obj: Any, name: str, where: str, key: str, field: str) -> int:
+    value = _field(obj, name, int, where, key, field)
+    if not -(1 << 63) <= value < 1 << 63:
+        raise SampleError(where, key, field, f"{value} is outside the int64 range"[:200])
+    return value
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # (an int too large for a float)
+        return False
+
+
 def _numbers(value: Any, count: int | None, where: str, key: str, field: str) -> list[float]:
     ok = isinstance(value, list) and (count is None or len(value) == count)
-    if ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+    if ok and all(_finite(v) for v in value):
         return [float(v) for v in value]
     raise SampleError(where, key, field, f"want {count or 'some'} finite numbers, got {value!r}"[:200])
 
@@ -316,7 +330,7 @@ def annotation_arrays(meta: Any, where: str, key: str, *,
     """`annotation_record` with its columns as numpy arrays, not yet encoded (what the reader of
     original archives decodes from, with no msgpack round trip)."""
     image = _field(meta, "image", dict, where, key, "image")
-    image_id = _field(image, "image_id", int, where, key, "image.image_id")
+    image_id = _int64(image, "image_id", where, key, "image.image_id")
     width = _field(image, "width", int, where, key, "image.width")
     height = _field(image, "height", int, where, key, "image.height")
     file_name = _field(image, "file_name", str, where, key, "image.file_name")
@@ -404,7 +418,7 @@ def _checked_columns(annotations: list[Any], height: int, width: int, where: str
         if not counts.isascii():
             raise SampleError(where, key, f"{at}.segmentation.counts", "not an ASCII COCO RLE string")
         columns["counts"].append(counts.encode("ascii"))
-        columns["ids"].append(_field(ann, "id", int, where, key, f"{at}.id"))
+        columns["ids"].append(_int64(ann, "id", where, key, f"{at}.id"))
         columns["bbox"].append(_numbers(ann.get("bbox"), 4, where, key, f"{at}.bbox"))
         columns["crop_box"].append(_numbers(ann.get("crop_box"), 4, where, key, f"{at}.crop_box"))
         for name in ("area", "predicted_iou", "stability_score"):
