@@ -122,18 +122,23 @@ def parse_sample(data: bytes | memoryview, url: str, key: str, limits: ReadLimit
     return {ext: view[at + BLOCK : at + BLOCK + size] for ext, at, size in found}
 
 
+def _header_size(header: bytes, url: str, pos: int, prefix: str, hint: str = "") -> int:
+    """A tar header's size field, its octal fields and checksum checked; else a ShardError naming byte `pos`."""
+    try:
+        checksum, size = _octal(header[148:156]), _octal(header[124:136])
+    except ValueError as exc:
+        raise ShardError(url, f"{prefix}invalid tar header at byte {pos}{hint}: {exc}") from exc
+    if checksum != sum(header[:148]) + 256 + sum(header[156:]):
+        raise ShardError(url, f"{prefix}tar header checksum mismatch at byte {pos}{hint}")
+    return size
+
+
 def _read_header(view: memoryview, pos: int, url: str, key: str) -> tuple[str, int]:
     """(name, size) of the regular-file header at `pos`, its checksum checked."""
     header = bytes(view[pos : pos + BLOCK])
     if len(header) < BLOCK:
         raise ShardError(url, f"sample {key!r}: truncated tar header at byte {pos}")
-    try:
-        checksum = _octal(header[148:156])
-        size = _octal(header[124:136])
-    except ValueError as exc:
-        raise ShardError(url, f"sample {key!r}: invalid tar header at byte {pos}: {exc}") from exc
-    if checksum != sum(header[:148]) + 256 + sum(header[156:]):
-        raise ShardError(url, f"sample {key!r}: tar header checksum mismatch at byte {pos}")
+    size = _header_size(header, url, pos, f"sample {key!r}: ")
     if header[156:157] not in (b"0", b"\0"):
         raise ShardError(url, f"sample {key!r}: member type {header[156:157]!r} is not a regular file")
     name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
@@ -229,12 +234,7 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
             raise ShardError(url, f"truncated tar header at byte {pos}")
         if header == b"\0" * BLOCK:
             return
-        try:
-            checksum, size = _octal(header[148:156]), _octal(header[124:136])
-        except ValueError as exc:
-            raise ShardError(url, f"invalid tar header at byte {pos} (not a tar archive?): {exc}") from exc
-        if checksum != sum(header[:148]) + 256 + sum(header[156:]):
-            raise ShardError(url, f"tar header checksum mismatch at byte {pos} (not a tar archive?)")
+        size = _header_size(header, url, pos, "", " (not a tar archive?)")
         kind, padded = header[156:157], size + (-size % BLOCK)
         name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
         if kind in (b"x", b"g", b"L", b"K"):
