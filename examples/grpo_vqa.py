@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch.distributed
 from trl import GRPOConfig, GRPOTrainer
 
 from pipeline import trl_dataset
@@ -61,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            max_completion_length=args.max_completion_length, report_to="none", save_strategy="no",
                            **extra)
     trainer.train()
+    if torch.distributed.is_initialized():  # under torchrun: gloo may abort at exit if left up
+        torch.distributed.destroy_process_group()
     return 0
 
 

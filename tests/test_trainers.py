@@ -462,6 +462,10 @@ def _main(argv: list[str]) -> int:
         _grpo_rank(*argv[1:])
     else:
         _hf_rank(*argv[1:])
+    # Without this, gloo's threads may still hold work when the interpreter is torn down, and the
+    # process aborts at exit ("terminate called without an active exception", pytorch#190489).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 
