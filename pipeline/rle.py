@@ -6,6 +6,10 @@ with delta coding (pycocotools `rleFrString`). Sampling the mask at an (h, w) gr
 neighbour (`nearest_index`) picks h*w of the H*W pixels; their column-major order is sorted, so
 each run maps to a contiguous slice of the output and the whole raster is one `np.repeat` over
 the runs. Work is O(runs + h*w), never O(H*W). Many masks are decoded in one vectorised pass.
+
+`raster_bits` gives the same masks 8 pixels to a byte, as the loader sends them: it packs the
+column-major raster as it comes and transposes 8x8 bit blocks, so the row-major bool masks (a
+byte-wise transpose, ~40% of `raster`'s time) are never made.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import numpy as np
 
 from pipeline.errors import RLEError
 
-__all__ = ["RLEError", "fit", "nearest_index", "run_lengths", "check", "raster"]
+__all__ = ["RLEError", "fit", "nearest_index", "run_lengths", "check", "raster", "raster_bits"]
 
 _MAX_CHARS_PER_VALUE = 12  # 60 bits: more would overflow int64, and no valid mask needs it
 
@@ -88,16 +92,11 @@ def check(strings: Sequence[bytes], size: tuple[int, int]) -> None:
         _checked_runs(strings, size)
 
 
-def raster(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]) -> np.ndarray:
-    """Masks (k, h, w) bool: each (H, W) = `size` mask sampled at nearest_index(H, h) x nearest_index(W, w).
-
-    Equals `pycocotools.mask.decode(rle)[ys][:, xs]` exactly, for every valid RLE; raises RLEError
-    (naming the mask's index) for a string that is malformed or whose runs do not cover H*W pixels.
-    """
+def _columns(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The masks sampled at the distinct sampled columns, column-major: (k, columns, h) bool, and
+    each output column's index among them."""
     (height, width), (h, w) = size, out
     k = len(strings)
-    if k == 0:
-        return np.zeros((0, h, w), bool)
     runs, runs_per, total = _checked_runs(strings, size)
     first = np.cumsum(runs_per) - runs_per
     bounds = total - np.repeat(total[first] - runs[first], runs_per)  # end of each run, per mask
@@ -114,6 +113,49 @@ def raster(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]
     lengths = np.diff(index, prepend=0)
     lengths[first] = index[first]
     parity = ((np.arange(runs.size) - np.repeat(first, runs_per)) & 1).astype(bool)
-    flat = np.repeat(parity, lengths)
-    masks = flat.reshape(k, columns.size, h).transpose(0, 2, 1)
-    return np.ascontiguousarray(masks if columns.size == w else masks[:, :, column_of])
+    return np.repeat(parity, lengths).reshape(k, columns.size, h), column_of
+
+
+def raster(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]) -> np.ndarray:
+    """Masks (k, h, w) bool: each (H, W) = `size` mask sampled at nearest_index(H, h) x nearest_index(W, w).
+
+    Equals `pycocotools.mask.decode(rle)[ys][:, xs]` exactly, for every valid RLE; raises RLEError
+    (naming the mask's index) for a string that is malformed or whose runs do not cover H*W pixels.
+    """
+    if not strings:
+        return np.zeros((0, *out), bool)
+    by_column, column_of = _columns(strings, size, out)
+    masks = by_column.transpose(0, 2, 1)
+    return np.ascontiguousarray(masks if by_column.shape[1] == out[1] else masks[:, :, column_of])
+
+
+# Transposing an 8x8 bit block held in a uint64 across its anti-diagonal (three delta swaps):
+# bit 8r + c goes to bit 8(7 - c) + (7 - r).
+_SWAPS = tuple((np.uint64(mask), np.uint64(shift)) for mask, shift in
+               ((0xAA00AA00AA00AA00, 9), (0xCCCC0000CCCC0000, 18), (0xF0F0F0F00F0F0F0F, 36)))
+
+
+def raster_bits(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]) -> np.ndarray:
+    """`raster`'s masks with each row packed 8 pixels to a byte, most significant bit first:
+    (k, h, ceil(w / 8)) uint8, equal to `np.packbits(raster(strings, size, out), axis=-1)`."""
+    (h, w), k = out, len(strings)
+    wb, hb = -(-w // 8), -(-h // 8)
+    if not strings:
+        return np.zeros((k, h, wb), np.uint8)
+    by_column, column_of = _columns(strings, size, out)
+    if by_column.shape[1] != w:  # (a frame wider than the mask repeats columns: rare, done the plain way)
+        return np.packbits(np.ascontiguousarray(by_column.transpose(0, 2, 1)[:, :, column_of]), axis=-1)
+    packed = np.packbits(by_column, axis=-1)  # (k, w, hb): byte j of column x holds rows 8j..8j+7
+    if w % 8:
+        packed = np.concatenate([packed, np.zeros((k, 8 * wb - w, hb), np.uint8)], axis=1)
+    # One uint64 per 8x8 block: its byte i is column 8b + i (bit 7 - r: row r of the block).
+    blocks = np.ascontiguousarray(packed.reshape(k, wb, 8, hb).transpose(0, 1, 3, 2)).view("<u8")[..., 0]
+    for mask, shift in _SWAPS:  # now its byte r is row r of the block (bit 7 - i: column 8b + i)
+        if shift == 36:
+            t = blocks ^ (blocks << shift)
+            blocks ^= mask & (t ^ (blocks >> shift))
+        else:
+            t = mask & (blocks ^ (blocks << shift))
+            blocks ^= t ^ (t >> shift)
+    rows = blocks[..., None].view(np.uint8)  # (k, wb, hb, 8): byte b of row 8j + r
+    return np.ascontiguousarray(rows.transpose(0, 2, 3, 1).reshape(k, 8 * hb, wb)[:, :h])

@@ -1,4 +1,5 @@
-"""pipeline.rle: the raster equals pycocotools' full decode followed by the same nearest sampling."""
+"""pipeline.rle: the raster (bool, and bit-packed) equals pycocotools' full decode followed by the same
+nearest sampling."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pycocotools import mask as mask_utils
 
-from pipeline.rle import RLEError, check, fit, nearest_index, raster
+from pipeline.rle import RLEError, check, fit, nearest_index, raster, raster_bits
 
 
 def _reference(masks: np.ndarray, out: tuple[int, int]) -> tuple[list[bytes], np.ndarray]:
@@ -51,6 +52,9 @@ def test_raster_equals_pycocotools(height, width, k, out_h, out_w, density, styl
     got = raster(strings, (height, width), (out_h, out_w))
     assert got.dtype == bool and got.shape == expected.shape
     np.testing.assert_array_equal(got, expected)
+    bits = raster_bits(strings, (height, width), (out_h, out_w))  # (widths not a multiple of 8, upsampling)
+    assert bits.dtype == np.uint8 and bits.flags.c_contiguous
+    np.testing.assert_array_equal(bits, np.packbits(expected, axis=-1))
 
 
 @pytest.mark.parametrize("size", [(1500, 2250), (2250, 1500), (1501, 2247), (7, 3)])
@@ -61,6 +65,7 @@ def test_raster_real_sizes(size, target):
     out = fit(*size, target)
     strings, expected = _reference(masks, out)
     np.testing.assert_array_equal(raster(strings, size, out), expected)
+    np.testing.assert_array_equal(raster_bits(strings, size, out), np.packbits(expected, axis=-1))
 
 
 def test_raster_real_photo_segmentation(sa1b_src):
@@ -107,10 +112,12 @@ def test_fit_and_nearest():
 def test_invalid_counts_are_errors(counts, message):
     with pytest.raises(RLEError, match=message):
         check([counts], (2, 2))
-    with pytest.raises(RLEError, match="mask 1"):
-        raster([b"4", counts], (2, 2), (2, 2))
+    for decode in (raster, raster_bits):
+        with pytest.raises(RLEError, match="mask 1"):
+            decode([b"4", counts], (2, 2), (2, 2))
 
 
 def test_no_masks():
     assert raster([], (5, 5), (3, 3)).shape == (0, 3, 3)
+    assert raster_bits([], (5, 5), (3, 11)).shape == (0, 3, 2)
     check([], (5, 5))

@@ -19,12 +19,12 @@ import numpy as np
 import numpy.random  # noqa: F401  (imported on first use otherwise: ~20 ms of each worker's first batch)
 import torch
 
-from pipeline.collate import empty, pack_bits, padded_images, unpack_bits
+from pipeline.collate import empty, padded_images, unpack_bits
 from pipeline.errors import SampleError
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
-from pipeline.rle import RLEError, check, fit, raster
+from pipeline.rle import RLEError, check, fit, raster_bits
 from pipeline.stats import Clock
 
 __all__ = [
@@ -114,7 +114,8 @@ def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.
 
 def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int = 0, seed: int, epoch: int, url: str,
                   key: str, clock: Clock | None = None) -> dict[str, Any]:
-    """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is decoded.
+    """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is
+    decoded, rasterised bit-packed (`masks_packed`: (k, h, ceil(w / 8)) uint8, as they travel).
     An original sample (`jpg` + `json`, indexed in place) is checked as packing checks it first."""
     clock = clock or Clock(STAGES)
     if SA1B_JSON in members:  # an original sample: its record straight from its JSON, columns as arrays
@@ -151,7 +152,7 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
     image = decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels)
     clock.split("image")
     try:
-        masks = raster([counts[i] for i in chosen], (height, width), mask_frame)
+        masks = raster_bits([counts[i] for i in chosen], (height, width), mask_frame)
     except RLEError as exc:
         raise SampleError(url, key, "counts", f"mask {int(chosen[exc.index])}: {exc}") from exc
     clock.split("masks")
@@ -162,7 +163,7 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
     return {
         "key": key,
         "image": image,
-        "masks": masks,
+        "masks_packed": masks,
         "boxes": np.clip(np.stack([x * sx, y * sy, (x + bw) * sx, (y + bh) * sy], 1), 0, (w, h, w, h)),
         "points": np.clip(columns["point_coords"][first_point[chosen]] * (sx, sy), 0, (w, h)),
         "areas": columns["area"][chosen] * (sx * sy),
@@ -185,7 +186,7 @@ def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str
     per-mask columns stacked and padded with zeros to the largest mask count of the batch; all
     four on one buffer (`empty`'s: in a worker, one lease and no shared-memory file per batch)."""
     b, s, m = len(samples), options.image_size, options.mask_frame
-    n = max(len(x["masks"]) for x in samples)
+    n = max(len(x["masks_packed"]) for x in samples)
     layout = [("images", "uint8", (b, 3, s, s)), ("masks_packed", "uint8", (b, n, m, -(-m // 8))),
               ("columns", "float32", (b, n, sum(width for _, width in _MASK_COLUMNS))),
               ("info", "int64", (b, sum(width for _, width in _IMAGE_COLUMNS)))]
@@ -197,12 +198,11 @@ def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str
         batch[name] = flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
     padded_images([x["image"] for x in samples], s, s, batch["images"])
     masks, columns = batch["masks_packed"].zero_(), batch["columns"].zero_()
-    batch["info"].copy_(torch.tensor([[len(x["masks"]), x["image_id"], *x["original_size"], *x["image_size"]]
+    batch["info"].copy_(torch.tensor([[len(x["masks_packed"]), x["image_id"], *x["original_size"], *x["image_size"]]
                                       for x in samples], dtype=torch.int64))
     for i, x in enumerate(samples):
-        packed = pack_bits(x["masks"])
-        c, mh, mb = packed.shape
-        masks[i, :c, :mh, :mb] = torch.from_numpy(packed)
+        c, mh, mb = x["masks_packed"].shape
+        masks[i, :c, :mh, :mb] = torch.from_numpy(x["masks_packed"])
         stacked = np.concatenate([np.reshape(x[name], (c, width)) for name, width in _MASK_COLUMNS], axis=1)
         columns[i, :c] = torch.from_numpy(stacked.astype(np.float32))
     batch["keys"] = [x["key"] for x in samples]
