@@ -168,11 +168,41 @@ def _release(flags: np.ndarray, slot: int, lease: int) -> None:
         flags[slot] = 0
 
 
+class Spares:
+    """A process's batch-sized buffers, each reused once every tensor on it is gone: a fresh 33 MB
+    tensor costs ~20 ms of page faults and zeroing on first touch here, 4x unpacking masks into it.
+    A request takes the smallest free buffer that fits it (without wasting half); at most `keep`
+    free buffers are kept, and more in use are simply new ones."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep, self._free, self._lock = keep, [], threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        with self._lock:
+            fits = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.nbytes <= 2 * nbytes]
+            if fits:
+                buffer = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+            else:
+                buffer = np.empty(nbytes + nbytes // 8, np.uint8)  # (room for a batch a little larger)
+        tensor = torch.from_numpy(buffer[:nbytes]).view(dtype).view(shape)
+        weakref.finalize(tensor.untyped_storage(), self._give_back, buffer)  # (the storage outlives every view)
+        return tensor
+
+    def _give_back(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buffer)
+
+
+_SPARES = Spares()
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor; in a DataLoader worker, already in shared memory (recycled, when
-    the loader lends buffers)."""
+    """An uninitialised tensor, on a recycled buffer (`Spares`); in a DataLoader worker, already in
+    shared memory (recycled, when the loader lends buffers)."""
     if get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
+        return _SPARES.empty(shape, dtype)
     if _pool is None:
         return torch.empty(shape, dtype=dtype).share_memory_()
     nbytes = int(np.prod(shape)) * dtype.itemsize
@@ -191,30 +221,6 @@ def padded_images(images: Sequence[torch.Tensor], height: int, width: int, out: 
     return out
 
 
-class Spares:
-    """A process's batch-sized output buffers, each reused once every tensor on it is gone: a fresh
-    33 MB tensor costs ~20 ms of page faults and zeroing on first touch here, 4x unpacking masks
-    into it. At most `keep` free buffers are kept; more in use are simply new ones."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep, self._free, self._lock = keep, [], threading.Lock()
-
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        with self._lock:
-            fits = [i for i, buffer in enumerate(self._free) if buffer.nbytes == nbytes]
-            buffer = self._free.pop(fits[0]) if fits else np.empty(nbytes, np.uint8)
-        tensor = torch.from_numpy(buffer).view(dtype).view(shape)
-        weakref.finalize(tensor.untyped_storage(), self._give_back, buffer)  # (the storage outlives every view)
-        return tensor
-
-    def _give_back(self, buffer: np.ndarray) -> None:
-        with self._lock:
-            if len(self._free) < self.keep:
-                self._free.append(buffer)
-
-
-_SPARES = Spares()
 _CHUNK = 1 << 17  # packed bytes unpacked at a time: their bools stay in cache until copied out
 
 
