@@ -194,13 +194,15 @@ def _child(method: str, data: pathlib.Path, args: argparse.Namespace) -> dict:
                      "--epochs", str(args.epochs))
 
 
-def _row(label: str, runs: list[dict], ratios: list[float] | None) -> str:
-    def med(field: str) -> float:
-        return statistics.median(r[field] for r in runs)
+FIGURES = (("samples/s", "rate", ".1f"), ("1st batch s", "cold_first_batch_s", ".2f"),
+           ("warm 1st s", "first_batch_s", ".2f"), ("tree MB", "tree_mb", ".0f"), ("CPU ms", "cpu_ms", ".1f"), ("/epoch", "epoch_samples", ".0f"))
 
-    ratio = f"{statistics.median(ratios):.0%}" if ratios else "-"
-    return (f"{label:<28}{med('rate'):>10.1f}{ratio:>9}{med('cold_first_batch_s'):>12.2f}{med('first_batch_s'):>11.2f}"
-            f"{med('tree_mb'):>10.0f}{med('cpu_ms'):>10.1f}{med('epoch_samples'):>10.0f}")
+
+def _row(label: str, runs: list[dict], ratios: list[float] | None) -> str:
+    """A method's medians over the rounds (and of its samples/s over this project's loader's per round)."""
+    figures = [format(statistics.median(run[field] for run in runs), fmt) for _, field, fmt in FIGURES]
+    figures.insert(1, f"{statistics.median(ratios):.0%}" if ratios else "-")
+    return f"{label:<28}" + "".join(f"{figure:>12}" for figure in figures)
 
 
 def main() -> None:
@@ -214,12 +216,18 @@ def main() -> None:
     parser.add_argument("--only", choices=["loader", "floor", *PEERS], help="run one method, print its figures as JSON")
     args = parser.parse_args()
     data = args.data or prepare(args.images)
-    if args.only:
-        run = {"loader": lambda: run_loader(data, args.workers, args.epochs),
-               "floor": lambda: run_floor(data, args.workers)}.get(args.only, lambda: run_peer(args.only, data, args.workers, args.epochs))
-        print(json.dumps(run()))
-        return
+    if args.only == "loader":
+        print(json.dumps(run_loader(data, args.workers, args.epochs)))
+    elif args.only == "floor":
+        print(json.dumps(run_floor(data, args.workers)))
+    elif args.only:
+        print(json.dumps(run_peer(args.only, data, args.workers, args.epochs)))
+    else:
+        compare(data, args)
 
+
+def compare(data: pathlib.Path, args: argparse.Namespace) -> None:
+    """The floor once, then rounds of this project's loader and each installed peer; the table."""
     versions = {name: PEERS[name].version() for name in args.peers}
     peers = [name for name, version in versions.items() if version]
     for name in peers:
@@ -228,18 +236,19 @@ def main() -> None:
           f"{args.rounds} rounds of {args.epochs} timed epochs", flush=True)
     floor = _child("floor", data, args)
     rounds = [{method: _child(method, data, args) for method in ("loader", *peers)} for _ in range(args.rounds)]
-    print(f"{'method':<28}{'samples/s':>10}{'vs ours':>9}{'1st batch s':>12}{'warm 1st':>11}{'tree MB':>10}{'CPU ms':>10}{'/epoch':>10}")
+    print(f"{'method':<28}" + "".join(f"{name:>12}" for name in ("samples/s", "vs ours", *(f[0] for f in FIGURES[1:]))))
     print(_row("shardstream (this project)", [r["loader"] for r in rounds], None))
     for name, version in versions.items():
-        if not version:
+        if version:
+            ratios = [r[name]["rate"] / r["loader"]["rate"] for r in rounds]
+            print(_row(f"{name} {version}", [r[name] for r in rounds], ratios))
+        else:
             print(f"{name:<28}not installed (make bench-peers)")
-            continue
-        runs = [r[name] for r in rounds]
-        print(_row(f"{name} {version}", runs, [r[name]["rate"] / r["loader"]["rate"] for r in rounds]))
-    print(f"floor: decode work alone x {args.workers} cores {floor['rate']:.1f} samples/s ({floor['per_sample_ms']:.1f} ms "
-          f"per sample, {floor['cpu_ms']:.1f} ms CPU); medians over {args.rounds} rounds, each method in a fresh process; "
-          f"'vs ours': samples/s over this project's loader's in the same round; '1st batch': from constructing the "
-          f"loader; 'warm 1st': per timed epoch; tree MB: peak RSS of main + workers; CPU ms: per sample, all processes; /epoch: samples per epoch")
+    print(f"floor: decode work alone x {args.workers} cores: {floor['rate']:.1f} samples/s ({floor['cpu_ms']:.1f} ms CPU "
+          f"per sample)")
+    print(f"medians of {args.rounds} rounds, each method in a fresh process; vs ours: samples/s over this project's "
+          f"loader's in the same round; 1st batch: from constructing the loader; warm 1st: per timed epoch; tree MB: "
+          f"peak RSS of main + workers (VmHWM summed); CPU ms: per sample, all processes; /epoch: samples per epoch")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ def test_peer_yields_what_the_loader_yields(name: str, shards: pathlib.Path, tmp
         for key, sample in expected.items():
             assert got[key].keys() == sample.keys()
             for field, value in sample.items():
-                assert torch.equal(got[key][field], value) if isinstance(value, torch.Tensor) else got[key][field] == value, (key, field)
+                same = torch.equal(got[key][field], value) if isinstance(value, torch.Tensor) else got[key][field] == value
+                assert same, (key, field)
         epochs.append(expected)
     assert any(not torch.equal(epochs[0][key]["masks"], epochs[1][key]["masks"]) for key in KEYS)
