@@ -195,7 +195,8 @@ def _child(method: str, data: pathlib.Path, args: argparse.Namespace) -> dict:
 
 
 FIGURES = (("samples/s", "rate", ".1f"), ("1st batch s", "cold_first_batch_s", ".2f"),
-           ("warm 1st s", "first_batch_s", ".2f"), ("tree MB", "tree_mb", ".0f"), ("CPU ms", "cpu_ms", ".1f"), ("/epoch", "epoch_samples", ".0f"))
+           ("warm 1st s", "first_batch_s", ".2f"), ("tree MB", "tree_mb", ".0f"), ("CPU ms", "cpu_ms", ".1f"),
+           ("/epoch", "epoch_samples", ".0f"))
 
 
 def _row(label: str, runs: list[dict], ratios: list[float] | None) -> str:
