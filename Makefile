@@ -25,7 +25,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/sa1b_loader.py
 
-# The SA-1B loader beside LitData, webdataset and Mosaic Streaming (issue 17; 256 images, several minutes).
+# The SA-1B loader beside LitData, webdataset and Mosaic Streaming (issue 17; 256 images, ~4 minutes once built).
 # The peers (pyproject's `peers` extra) go in without their requirements, which would replace this venv's
 # numpy, transformers and torch; then the few they import, held to the versions the venv has (pip then
 # lists the requirements they do not get: expected; the bench imports only what it uses).
