@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-s3 bench-vqa bench-embeddings bench-index fuzz clean
+.PHONY: demo test bench bench-peers bench-s3 bench-vqa bench-embeddings bench-index fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,18 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/sa1b_loader.py
+
+# The SA-1B loader beside LitData, webdataset and Mosaic Streaming (issue 17; 256 images, ~4 minutes once built).
+# The peers (pyproject's `peers` extra) go in without their requirements, which would replace this venv's
+# numpy, transformers and torch; then the few they import, held to the versions the venv has (pip then
+# lists the requirements they do not get: expected; the bench imports only what it uses).
+PEER_IMPORTS := lightning-utilities boto3 requests brotli python-snappy zstd catalogue
+bench-peers: $(STAMP)
+	$(BIN)/pip freeze --exclude-editable > $(VENV)/pinned.txt
+	$(BIN)/python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['peers'])" \
+		| xargs $(BIN)/pip install -q --disable-pip-version-check --no-deps
+	$(BIN)/pip install -q --disable-pip-version-check -c $(VENV)/pinned.txt $(PEER_IMPORTS)
+	$(BIN)/python bench/sa1b_peers.py
 
 # The SA-1B task from a local S3-compatible server (SeaweedFS on 127.0.0.1) vs local disk.
 bench-s3: $(STAMP)

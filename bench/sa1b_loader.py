@@ -111,18 +111,26 @@ def packed_samples(shards: pathlib.Path, split: str = "train"):  # -> Iterator[t
             yield key, {ext: bytes(view) for ext, view in members.items()}
 
 
-def run_loader(data: pathlib.Path, workers: int, epochs: int) -> dict:
-    from pipeline import make_stream_loader
-
+def measured(make, epochs: int) -> dict:
+    """The figures of the loader `make()` builds (with `set_epoch`, batches with "keys"): the time to
+    its first batch from constructing it, then `timed_epochs`, then its process tree's peak. Imports
+    come before the call: they are not the loader's."""
     start = time.perf_counter()
-    loader = make_stream_loader(str(data / "shards"), "train", num_workers=workers, **SETTINGS)
+    loader = make()
     next(iter(loader))
     cold = time.perf_counter() - start  # from constructing the loader, workers started on the way
     timed = timed_epochs(loader, epochs, "keys")
     tree = tree_peak_mb()
     del loader
     return {"rate": statistics.median(timed["rates"]), "first_batch_s": statistics.median(timed["first"]),
-            "cold_first_batch_s": cold, "cpu_ms": timed["cpu_ms"], "peak_mb": _peak_mb(), "tree_mb": tree}
+            "cold_first_batch_s": cold, "cpu_ms": timed["cpu_ms"], "peak_mb": _peak_mb(), "tree_mb": tree,
+            "epoch_samples": timed["samples"] / (epochs + 1)}
+
+
+def run_loader(data: pathlib.Path, workers: int, epochs: int) -> dict:
+    from pipeline import make_stream_loader
+
+    return measured(lambda: make_stream_loader(str(data / "shards"), "train", num_workers=workers, **SETTINGS), epochs)
 
 
 class NaiveDataset:
