@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python bench/sa1b_loader.py
+	$(BIN)/python bench/sa1b_loader.py --images 256
 
 # The SA-1B loader beside LitData, webdataset and Mosaic Streaming (issue 17; 256 images, ~4 minutes once built).
 # The peers (pyproject's `peers` extra) go in without their requirements, which would replace this venv's
