@@ -124,9 +124,13 @@ def raster(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]
     """
     if not strings:
         return np.zeros((0, *out), bool)
-    by_column, column_of = _columns(strings, size, out)
+    return _row_major(*_columns(strings, size, out), out[1])
+
+
+def _row_major(by_column: np.ndarray, column_of: np.ndarray, w: int) -> np.ndarray:
+    """`_columns`' masks as (k, h, w) bool, each sampled column where the output wants it."""
     masks = by_column.transpose(0, 2, 1)
-    return np.ascontiguousarray(masks if by_column.shape[1] == out[1] else masks[:, :, column_of])
+    return np.ascontiguousarray(masks if by_column.shape[1] == w else masks[:, :, column_of])
 
 
 # Transposing an 8x8 bit block held in a uint64 across its anti-diagonal (three delta swaps):
@@ -144,7 +148,7 @@ def raster_bits(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int,
         return np.zeros((k, h, wb), np.uint8)
     by_column, column_of = _columns(strings, size, out)
     if by_column.shape[1] != w:  # (a frame wider than the mask repeats columns: rare, done the plain way)
-        return np.packbits(np.ascontiguousarray(by_column.transpose(0, 2, 1)[:, :, column_of]), axis=-1)
+        return np.packbits(_row_major(by_column, column_of, w), axis=-1)
     packed = np.packbits(by_column, axis=-1)  # (k, w, hb): byte j of column x holds rows 8j..8j+7
     if w % 8:
         packed = np.concatenate([packed, np.zeros((k, 8 * wb - w, hb), np.uint8)], axis=1)
