@@ -174,7 +174,8 @@ def main() -> None:
     size = sum(p.stat().st_size for p in (data / "shards").glob("*.tar"))
     print(f"data: {args.rows} rows, D={D} float16, K={K} negatives + 4 scalar fields, 95% train; shards "
           f"{size / 1e9:.2f} GB; batch {args.batch_size}, num_workers={args.workers}, cores={cores}", flush=True)
-    floors, loaders, ratios = paired_rounds(lambda method: _child(method, data, args), args.rounds)
+    rounds = paired_rounds(lambda method: _child(method, data, args), args.rounds)
+    floors, loaders, ratios = rounds["floor"], rounds["loader"], rounds["ratios"]
     floor, loader = median_run(floors), median_run(loaders)
     in_process = _child("loader", data, args, workers=0)
     transport = _child("transport", data, args)

@@ -8,6 +8,9 @@
     full-resolution JPEG decode; same DataLoader settings.
 (c) floor: only the decode work the batch needs (JPEG at reduced scale + the 64 sampled masks
     rasterised at 256), in one single-threaded process, on bytes already in memory, times the cores.
+(c2) the same decode work split over as many processes as workers, all running at once: what the
+    cores really do together (they share caches and memory bandwidth). Loader / (c2) is what the
+    loader's own machinery costs; (c2) / (c) is the machine's scaling, which no loader can recover.
 Besides samples/s: CPU time per sample of all of a method's processes (the steadier loader/floor
 ratio on a busy machine), time to the first batch from constructing the loader, and peak memory of
 the process tree (main + workers, VmHWM summed; Linux), each beside its reference from the same run.
@@ -185,31 +188,58 @@ def run_naive(data: pathlib.Path, workers: int, samples: int) -> dict:
             "tree_mb": tree_peak_mb()}
 
 
-def run_floor(data: pathlib.Path, cores: int) -> dict:
-    """One core's decode rate over the loader's own samples (total time, median of 3 passes) x cores."""
-    import torch
-
+def _floor_work(data: pathlib.Path) -> list[tuple]:
+    """(key, jpg, counts, height, width) of every sample: the floor's input, in memory."""
     from pipeline.format import unpack_record
-    from pipeline.rle import fit, raster
-    from pipeline.kinds.sa1b import choose_masks, decode_image
 
-    torch.set_num_threads(1)  # as in a DataLoader worker: the floor is one core's work
     work = []
     for key, members in packed_samples(data / "shards"):
         record = unpack_record(members["msgpack"])
         work.append((key, members["jpg"], record["counts"], record["image"]["height"], record["image"]["width"]))
-    passes, cpu = [], []
-    for n in (SETTINGS["batch_size"], len(work), len(work), len(work)):  # the first batch, cold; 3 passes
+    return work
+
+
+def _floor_passes(work: list[tuple], passes: int = 3) -> tuple[list[float], list[float]]:
+    """Seconds and CPU seconds per sample of the decode work alone on one core: the first batch
+    (cold), then `passes` passes over `work`."""
+    import torch
+
+    from pipeline.kinds.sa1b import choose_masks, decode_image
+    from pipeline.rle import fit, raster
+
+    torch.set_num_threads(1)  # as in a DataLoader worker: the floor is one core's work
+    seconds, cpu = [], []
+    for n in (SETTINGS["batch_size"], *[len(work)] * passes):
         start, cpu_start = time.perf_counter(), time.process_time()
         for key, jpg, counts, height, width in work[:n]:
             decode_image(jpg, fit(height, width, SETTINGS["image_size"]), "m", key)
             chosen = choose_masks(len(counts), SETTINGS["max_masks"], 0, 0, key)
             raster([counts[i] for i in chosen], (height, width), fit(height, width, SETTINGS["mask_size"]))
-        passes.append((time.perf_counter() - start) / n)
+        seconds.append((time.perf_counter() - start) / n)
         cpu.append((time.process_time() - cpu_start) / n)
-    per_sample = statistics.median(passes[1:])
+    return seconds, cpu
+
+
+def run_floor(data: pathlib.Path, cores: int) -> dict:
+    """One core's decode rate over the loader's own samples (median of 3 passes) x cores: the issue's floor."""
+    seconds, cpu = _floor_passes(_floor_work(data))
+    per_sample = statistics.median(seconds[1:])
     return {"rate": cores / per_sample, "per_sample_ms": per_sample * 1000, "cpu_ms": statistics.median(cpu[1:]) * 1000,
-            "first_batch_s": passes[0] * SETTINGS["batch_size"], "peak_mb": _peak_mb()}
+            "first_batch_s": seconds[0] * SETTINGS["batch_size"], "peak_mb": _peak_mb()}
+
+
+def _floor_share(work: list[tuple]) -> tuple[float, float]:
+    seconds, cpu = _floor_passes(work)
+    return statistics.median(seconds[1:]) * len(work), statistics.median(cpu[1:]) * len(work)
+
+
+def run_floor_together(data: pathlib.Path, cores: int) -> dict:
+    """The same decode work split over `cores` processes running at once, no loader: what the cores
+    do together (they share caches and memory bandwidth), the ceiling of any loader on them."""
+    work = _floor_work(data)
+    with multiprocessing.get_context("spawn").Pool(cores) as pool:
+        seconds, cpu = zip(*pool.map(_floor_share, [work[c::cores] for c in range(cores)]))
+    return {"rate": len(work) / max(seconds), "cpu_ms": 1000 * sum(cpu) / len(work), "peak_mb": _peak_mb()}
 
 
 def run_child(script: str, *argv: str) -> dict:
@@ -218,14 +248,17 @@ def run_child(script: str, *argv: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def paired_rounds(child, rounds: int) -> tuple[list[dict], list[dict], list[float], list[float]]:
-    """Floor and loader runs (`child(method)`), alternating: (floors, loaders, each round's loader
-    rate over the floor run just before it, and the floor's CPU time per sample over the loader's,
-    all its processes counted). The machine's speed wanders; pairs see it alike. On a busy machine
-    the CPU ratio is the steadier: time waiting for a core counts in neither."""
-    pairs = [(child("floor"), child("loader")) for _ in range(rounds)]
-    return ([a for a, _ in pairs], [b for _, b in pairs], [b["rate"] / a["rate"] for a, b in pairs],
-            [a["cpu_ms"] / b["cpu_ms"] for a, b in pairs])
+def paired_rounds(child, rounds: int, also: tuple[str, ...] = ()) -> dict[str, list]:
+    """Floor and loader runs (`child(method)`), alternating, each round also running the methods in
+    `also` first: each method's runs by name, plus "ratios" (each round's loader rate over the floor
+    run just before it) and "cpu_ratios" (the floor's CPU time per sample over the loader's, all its
+    processes counted). The machine's speed wanders; pairs see it alike. On a busy machine the CPU
+    ratio is the steadier: time waiting for a core counts in neither."""
+    runs = [{method: child(method) for method in (*also, "floor", "loader")} for _ in range(rounds)]
+    out = {method: [r[method] for r in runs] for method in (*also, "floor", "loader")}
+    out["ratios"] = [r["loader"]["rate"] / r["floor"]["rate"] for r in runs]
+    out["cpu_ratios"] = [r["floor"]["cpu_ms"] / r["loader"]["cpu_ms"] for r in runs]
+    return out
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -245,13 +278,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs of the loader (after one warm-up)")
     parser.add_argument("--naive-samples", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3, help="floor and loader runs, alternating")
-    parser.add_argument("--only", choices=["loader", "naive", "floor"])
+    parser.add_argument("--only", choices=["loader", "naive", "floor", "together"])
     parser.add_argument("--data", type=pathlib.Path)
     args = parser.parse_args()
     if args.only:
         run = {"loader": lambda: run_loader(args.data, args.workers, args.epochs),
                "naive": lambda: run_naive(args.data, args.workers, args.naive_samples),
-               "floor": lambda: run_floor(args.data, args.workers)}[args.only]
+               "floor": lambda: run_floor(args.data, args.workers),
+               "together": lambda: run_floor_together(args.data, args.workers)}[args.only]
         print(json.dumps(run()))
         return
 
@@ -262,11 +296,17 @@ def main() -> None:
     print(f"data: {manifest.samples('train')} images 1500x2250 (portrait every third), "
           f"{sum(1 for _ in (data / 'files').glob('*.json'))} json files; settings {SETTINGS}, "
           f"num_workers={args.workers}, cores={os.cpu_count()}", flush=True)
-    floors, loaders, ratios, cpu_ratios = paired_rounds(lambda method: _child(method, data, args), args.rounds)
-    results = {"floor": median_run(floors), "loader": median_run(loaders), "naive": _child("naive", data, args)}
+    rounds = paired_rounds(lambda method: _child(method, data, args), args.rounds, also=("together",))
+    floors, loaders, ratios, cpu_ratios = rounds["floor"], rounds["loader"], rounds["ratios"], rounds["cpu_ratios"]
+    together = [loader["rate"] / run["rate"] for loader, run in zip(loaders, rounds["together"])]
+    together_cpu = [run["cpu_ms"] / loader["cpu_ms"] for loader, run in zip(loaders, rounds["together"])]
+    scaling = [run["rate"] / floor["rate"] for floor, run in zip(floors, rounds["together"])]
+    results = {"floor": median_run(floors), "together": median_run(rounds["together"]), "loader": median_run(loaders),
+               "naive": _child("naive", data, args)}
     floor, loader, naive = (results[m]["rate"] for m in ("floor", "loader", "naive"))
     print(f"{'method':<44}{'samples/s':>10}{'peak RSS MB (main / largest worker)':>40}{'tree MB':>9}")
     for method, label in (("floor", f"(c) floor: decode work only x {args.workers} cores"),
+                          ("together", f"(c2) decode work only, {args.workers} processes at once"),
                           ("loader", "(a) make_stream_loader"), ("naive", "(b) naive: pycocotools decode all, sample")):
         own, children = results[method]["peak_mb"]
         tree = results[method].get("tree_mb", own)
@@ -278,6 +318,9 @@ def main() -> None:
           f"sample (target >= 90%; medians of {args.rounds} rounds, each the loader beside the floor run just before it: "
           f"{', '.join(f'{r:.0%}' for r in ratios)}; by CPU {', '.join(f'{r:.0%}' for r in cpu_ratios)}); "
           f"loader / naive = {loader / naive:.1f}x (target >= 20x)")
+    print(f"the cores together: {args.workers} processes at once do {statistics.median(scaling):.0%} of {args.workers} x one "
+          f"alone (rounds {', '.join(f'{r:.0%}' for r in scaling)}); loader / that = {statistics.median(together):.0%} by "
+          f"samples/s, {statistics.median(together_cpu):.0%} by CPU per sample: what the loader's machinery costs")
     print(f"time to first batch from constructing the loader: {statistics.median(firsts):.2f} s (median of "
           f"{', '.join(f'{f:.2f}' for f in firsts)}); reference: one batch's decode work in one fresh process "
           f"{statistics.median(r['first_batch_s'] for r in floors):.2f} s, naive loader "

@@ -133,7 +133,8 @@ def main() -> None:
     units = manifest.splits["train"].units
     print(f"data: {manifest.samples('train')} JPEGs at 1000-2000 px, {units} questions; per='question', "
           f"image_size={args.image_size}, batch {BATCH}, num_workers={args.workers}, cores={os.cpu_count()}", flush=True)
-    floors, loaders, ratios = paired_rounds(lambda method: _child(method, data, args), args.rounds)
+    rounds = paired_rounds(lambda method: _child(method, data, args), args.rounds)
+    floors, loaders, ratios = rounds["floor"], rounds["loader"], rounds["ratios"]
     floor, loader = (statistics.median(r["rate"] for r in runs) for runs in (floors, loaders))
     print(f"{'method':<58}{'questions/s':>12}")
     print(f"{f'(b) floor: JPEG decode to the frame only, {args.workers} processes':<58}{floor:>12.1f}")
