@@ -286,7 +286,7 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     started = time.monotonic()
     fs, base = filesystem(out, storage_options)
     out_url = base if is_local(fs) else fs.unstrip_protocol(base)
-    _check_out(fs, base, out, storage_options)
+    earlier = _check_out(fs, base, out, storage_options)
     urls = _archives(sources, storage_options)
     bar = Progress(len(urls), progress, unit="archive", what="indexed %d/%d archives")
     scanned = []
@@ -294,7 +294,12 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
         scanned.append(result)
         bar.update(1)
     bar.close()
-    return _write(kind, urls, [_name(u, out_url) for u in urls], scanned, fs, base, tuple(splits), max_skipped, started)
+    summary = _write(kind, urls, [_name(u, out_url) for u in urls], scanned, fs, base, tuple(splits), max_skipped, started)
+    listed = {shard.index.name for split in read_manifest(out, storage_options).splits.values() for shard in split
+              if shard.index is not None}
+    for name in sorted(earlier - listed):  # the earlier run's indexes no manifest lists now (and nothing else)
+        fs.rm_file(join(base, name))
+    return summary
 
 
 def _map(kind: str, urls: list[str], workers: int, storage_options: dict[str, Any] | None) -> Iterator[_Scanned]:
@@ -312,13 +317,15 @@ def _map(kind: str, urls: list[str], workers: int, storage_options: dict[str, An
             raise
 
 
-def _check_out(fs: Any, base: str, out: str, storage_options: dict[str, Any] | None) -> None:
-    """OUT may hold anything (the archives themselves, say) but a dataset other than one indexed in place."""
+def _check_out(fs: Any, base: str, out: str, storage_options: dict[str, Any] | None) -> set[str]:
+    """OUT may hold anything (the archives themselves, say) but a dataset other than one indexed in
+    place; the index files an earlier run listed there."""
     if not fs.exists(join(base, MANIFEST_NAME)):
-        return
+        return set()
     existing = read_manifest(out, storage_options)
     if existing.origin != "indexed":
         raise PackError(f"{out} holds a packed dataset; index into another folder")
+    return {shard.index.name for split in existing.splits.values() for shard in split if shard.index is not None}
 
 
 def _write(kind: str, urls: list[str], names: list[str], scanned: list[_Scanned], fs: Any, base: str,

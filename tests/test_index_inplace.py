@@ -273,6 +273,23 @@ def test_compressed_and_missing_archives_are_refused(sa1b_src, tmp_path):
         index_sa1b([str(tmp_path / "sa.tar.gz")], str(tmp_path / "out"), progress=False)
 
 
+def test_indexing_again_removes_only_the_earlier_runs_unlisted_indexes(sa1b_src, tmp_path):
+    out = tmp_path / "data"
+    index_sa1b([str(sa1b_src)], str(out), splits=SPLITS, progress=False)
+    first = {p.name for p in out.glob("*.idx")}
+    (out / "notes.idx").write_bytes(b"the user's own")  # listed by no manifest: never touched
+    index_sa1b([str(sa1b_src)], str(out), splits=SPLITS, progress=False)  # the same run: the same files
+    assert {p.name for p in out.glob("*.idx")} == first | {"notes.idx"}
+    copy = shutil.copy(sa1b_src / "sa_000001.tar", tmp_path / "copy.tar")  # its keys twice: all skipped
+    with pytest.raises(ShardstreamError, match="more than --max-skipped 0"):  # a failed run removes nothing
+        index_sa1b([str(sa1b_src / "sa_000001.tar"), str(copy)], str(out), max_skipped=0, progress=False)
+    assert {p.name for p in out.glob("*.idx")} == first | {"notes.idx"}
+    index_sa1b([str(sa1b_src / "sa_000001.tar")], str(out), progress=False)  # another dataset in the same OUT
+    listed = {shard.index.name for shard in read_manifest(str(out)).splits["train"]}
+    assert {p.name for p in out.glob("*.idx")} == listed | {"notes.idx"} and not listed & first
+    assert len(_by_key(str(out))) == 7
+
+
 def test_a_packed_dataset_is_never_overwritten(sa1b_src, sa1b_dataset, tmp_path):
     out = tmp_path / "packed"
     shutil.copytree(sa1b_dataset, out)
