@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from pipeline.errors import InputError, PackError, SampleError, ShardError, TooManySkipped
 from pipeline.format import (MANIFEST_NAME, SA1B_JPG, SA1B_JSON, WEBDATASET, IndexInfo, Manifest, ShardIndex, ShardInfo,
                              check_ext, check_key, check_shard_name)
@@ -278,8 +280,10 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
                    storage_options: dict[str, Any] | None = None) -> IndexSummary:
     """Index the archives in `sources` in place into the dataset folder `out` (index files and the
     manifest, written last and atomically; nothing else). Raises PackError if `out` holds a dataset
-    that was not indexed in place, TooManySkipped past `max_skipped`, and InputError naming the
-    archive when one is missing or cannot be read as an uncompressed tar; nothing is written then."""
+    that was not indexed in place, TooManySkipped past `max_skipped` (as soon as an archive takes
+    the count past it), and InputError naming the archive when one is missing or cannot be read as
+    an uncompressed tar; what the run wrote is removed then. Each archive's samples are written to
+    its index files as it comes: memory grows with archives, and by 16 bytes a key (`SeenKeys`)."""
     if kind not in _KINDS:
         raise ValueError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_KINDS)}")
     PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped)  # (checks them as packing does)
@@ -288,17 +292,23 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     out_url = base if is_local(fs) else fs.unstrip_protocol(base)
     earlier = _check_out(fs, base, out, storage_options)
     urls = _archives(sources, storage_options)
-    bar = Progress(len(urls), progress, unit="archive", what="indexed %d/%d archives")
-    scanned = []
-    for result in _map(kind, urls, workers, storage_options):
-        scanned.append(result)
-        bar.update(1)
-    bar.close()
-    summary = _write(kind, urls, [_name(u, out_url) for u in urls], scanned, fs, base, tuple(splits), max_skipped, started)
-    listed = {shard.index.name for split in read_manifest(out, storage_options).splits.values() for shard in split
-              if shard.index is not None}
+    made = is_local(fs) and not fs.exists(base)
+    written: list[str] = []
+    try:
+        summary, manifest = _index(kind, urls, [_name(u, out_url) for u in urls], workers, storage_options, fs, base,
+                                   tuple(splits), max_skipped, progress, written)
+    except BaseException:
+        for name in written:
+            if name not in earlier:
+                fs.rm_file(join(base, name))
+        if made and fs.exists(base) and not fs.ls(base):
+            fs.rmdir(base)
+        raise
+    write_bytes(fs, join(base, MANIFEST_NAME), manifest.to_json())  # last: the indexes it lists are in place
+    listed = {shard.index.name for split in manifest.splits.values() for shard in split if shard.index is not None}
     for name in sorted(earlier - listed):  # the earlier run's indexes no manifest lists now (and nothing else)
         fs.rm_file(join(base, name))
+    summary.seconds = time.monotonic() - started
     return summary
 
 
@@ -328,55 +338,89 @@ def _check_out(fs: Any, base: str, out: str, storage_options: dict[str, Any] | N
     return {shard.index.name for split in existing.splits.values() for shard in split if shard.index is not None}
 
 
-def _write(kind: str, urls: list[str], names: list[str], scanned: list[_Scanned], fs: Any, base: str,
-           splits: tuple[tuple[str, float], ...], max_skipped: int, started: float) -> IndexSummary:
-    """Duplicates across archives dropped (the first kept), samples split by key, index files then the manifest."""
-    seen: set[str] = set()
-    skipped = [s for result in scanned for s in result.skipped]
-    tables: dict[str, list[tuple[ShardInfo, bytes]]] = {name: [] for name, _ in splits}
-    exts: set[str] = set()
-    for number, (url, name, result) in enumerate(zip(urls, names, scanned)):
-        by_split: dict[str, list[tuple[str, _Members]]] = {}
-        for key, members in result.samples:
-            if key in seen:
-                skipped.append(_skip(url, f"{key}.{members[0][0]}", key, f"duplicate key {key!r} (in an earlier archive); "
-                                     "kept the first"))
-                continue
-            seen.add(key)
-            by_split.setdefault(split_of(key, splits), []).append((key, members))
-            exts.update(ext for ext, _, _ in members)
-        for split, samples in by_split.items():
-            try:
-                built = ShardIndex.build([k for k, _ in samples], [1] * len(samples), [m for _, m in samples])
-            except ValueError as exc:
-                raise InputError(url, f"cannot be indexed: {exc}") from exc
-            data = built.to_bytes(result.bytes)
-            index = f"{split}-{number:06d}-{hashlib.sha256(data).hexdigest()[:12]}.idx"  # (never another run's file)
-            tables[split].append((ShardInfo(name, len(samples), len(samples), result.bytes, result.sha256,
-                                            IndexInfo.of(name, data, index)), data))
-    skipped.sort(key=lambda s: (s["key"], s["source"]))
-    if len(skipped) > max_skipped:
-        for s in skipped[:20]:
-            log.error("skipped %s", s["reason"])
-        raise TooManySkipped(f"{len(skipped)} samples skipped, more than --max-skipped {max_skipped}; nothing was written")
-    if not seen:
+class SeenKeys:
+    """The keys indexed so far, as 128-bit hashes (16 bytes a key, not a set of strings) in sorted
+    runs, each at most half the one before (merged as they grow): `add` is O(k log n)."""
+
+    def __init__(self) -> None:
+        self.runs: list[np.ndarray] = []
+
+    def add(self, keys: Sequence[str]) -> np.ndarray:
+        """Which of `keys` (distinct) were not seen before; all of them are seen now."""
+        digests = np.array([hashlib.blake2b(k.encode(), digest_size=16).digest() for k in keys], dtype="S16")
+        new = np.ones(len(digests), bool)
+        for run in self.runs:
+            at = np.minimum(np.searchsorted(run, digests), len(run) - 1)
+            new &= run[at] != digests
+        run = np.sort(digests[new])
+        while run.size and self.runs and len(self.runs[-1]) <= 2 * len(run):
+            run = np.concatenate([self.runs.pop(), run])
+            run.sort()  # (in place: at most twice the keys' 16 bytes while merging)
+        if run.size:
+            self.runs.append(run)
+        return new
+
+    def __len__(self) -> int:
+        return sum(len(run) for run in self.runs)
+
+
+def _index(kind: str, urls: list[str], names: list[str], workers: int, storage_options: dict[str, Any] | None, fs: Any,
+           base: str, splits: tuple[tuple[str, float], ...], max_skipped: int, progress: bool,
+           written: list[str]) -> tuple[IndexSummary, Manifest]:
+    """Each archive as it is scanned: keys seen in an earlier archive dropped (the first kept),
+    samples split by key, its index files written (named in `written`); then the manifest to write."""
+    keys, skipped, exts = SeenKeys(), [], set()
+    tables: dict[str, list[ShardInfo]] = {name: [] for name, _ in splits}
+    archives, counts, ignored = [], collections.Counter(), 0
+    bar = Progress(len(urls), progress, unit="archive", what="indexed %d/%d archives")
+    try:
+        for number, (url, name, result) in enumerate(zip(urls, names, _map(kind, urls, workers, storage_options))):
+            bar.update(1)
+            archives.append((result.bytes, result.sha256))
+            counts.update(result.counts)
+            ignored += result.ignored
+            skipped += result.skipped
+            by_split: dict[str, list[tuple[str, _Members]]] = {}
+            for (key, members), new in zip(result.samples, keys.add([key for key, _ in result.samples])):
+                if not new:
+                    skipped.append(_skip(url, f"{key}.{members[0][0]}", key, f"duplicate key {key!r} (in an earlier "
+                                         "archive); kept the first"))
+                    continue
+                by_split.setdefault(split_of(key, splits), []).append((key, members))
+                exts.update(ext for ext, _, _ in members)
+            if len(skipped) > max_skipped:
+                skipped.sort(key=lambda s: (s["key"], s["source"]))
+                for s in skipped[:20]:
+                    log.error("skipped %s", s["reason"])
+                where = "" if number + 1 == len(urls) else f" in the first {number + 1} of {len(urls)} archives"
+                raise TooManySkipped(f"{len(skipped)} samples skipped{where}, more than --max-skipped {max_skipped}; "
+                                     "nothing was written")
+            for split, samples in by_split.items():
+                try:
+                    built = ShardIndex.build([k for k, _ in samples], [1] * len(samples), [m for _, m in samples])
+                except ValueError as exc:
+                    raise InputError(url, f"cannot be indexed: {exc}") from exc
+                data = built.to_bytes(result.bytes)
+                index = f"{split}-{number:06d}-{hashlib.sha256(data).hexdigest()[:12]}.idx"  # (never another run's file)
+                if is_local(fs):
+                    fs.makedirs(base, exist_ok=True)
+                written.append(index)
+                write_bytes(fs, join(base, index), data)
+                tables[split].append(ShardInfo(name, len(samples), len(samples), result.bytes, result.sha256,
+                                               IndexInfo.of(name, data, index)))
+    finally:
+        bar.close()
+    if not len(keys):
         why = f" ({len(skipped)} skipped, the first: {skipped[0]['reason']})" if skipped else ""
         raise PackError(f"no sample found in {len(urls)} archives, {urls[0]}...{why}: nothing to index")
+    skipped.sort(key=lambda s: (s["key"], s["source"]))
     options = {"splits": [list(s) for s in splits]}
-    fingerprint = hashlib.sha256(json.dumps([kind, options, names, [(r.bytes, r.sha256) for r in scanned]]).encode())
-    manifest = Manifest(kind, {split: [info for info, _ in table] for split, table in tables.items()}, options,
-                        fingerprint.hexdigest(), tuple(skipped), origin="indexed", members=tuple(sorted(exts)))
-    if is_local(fs):
-        fs.makedirs(base, exist_ok=True)
-    for table in tables.values():
-        for info, data in table:
-            assert info.index is not None
-            write_bytes(fs, join(base, info.index.name), data)
-    write_bytes(fs, join(base, MANIFEST_NAME), manifest.to_json())  # last: the indexes it lists are in place
-    counts = sum((collections.Counter(r.counts) for r in scanned), collections.Counter())
-    return IndexSummary(samples=len(seen), archives=len(urls), bytes=sum(r.bytes for r in scanned),
-                        skipped=len(skipped), ignored=sum(r.ignored for r in scanned),
-                        seconds=time.monotonic() - started, counts=dict(counts), skip_list=skipped)
+    fingerprint = hashlib.sha256(json.dumps([kind, options, names, archives]).encode())
+    manifest = Manifest(kind, tables, options, fingerprint.hexdigest(), tuple(skipped), origin="indexed",
+                        members=tuple(sorted(exts)))
+    summary = IndexSummary(samples=len(keys), archives=len(urls), bytes=sum(b for b, _ in archives), skipped=len(skipped),
+                           ignored=ignored, counts=dict(counts), skip_list=skipped)
+    return summary, manifest
 
 
 def index_sa1b(sources: Sequence[str], out: str, **options: Any) -> IndexSummary:

@@ -24,7 +24,7 @@ from pipeline.format import Manifest, parse_json
 from pipeline.kinds.sa1b import Sa1bOptions, unbatch
 from pipeline.storage import read_manifest
 from shard_tools.cli import main
-from shard_tools.index import index_sa1b, index_webdataset
+from shard_tools.index import SeenKeys, index_sa1b, index_webdataset
 from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.pack import PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
@@ -288,6 +288,27 @@ def test_indexing_again_removes_only_the_earlier_runs_unlisted_indexes(sa1b_src,
     listed = {shard.index.name for shard in read_manifest(str(out)).splits["train"]}
     assert {p.name for p in out.glob("*.idx")} == listed | {"notes.idx"} and not listed & first
     assert len(_by_key(str(out))) == 7
+
+
+def test_a_run_past_max_skipped_stops_there_and_removes_what_it_wrote(sa1b_src, tmp_path):
+    archives = [str(shutil.copy(sa1b_src / f"sa_00000{i}.tar", tmp_path / name))
+                for i, name in ((0, "a.tar"), (0, "b.tar"), (1, "c.tar"))]  # b: a's keys again
+    out = tmp_path / "out"
+    with pytest.raises(ShardstreamError, match="7 samples skipped in the first 2 of 3 archives, more than --max-skip"):
+        index_sa1b(archives, str(out), max_skipped=6, progress=False)
+    assert not out.exists()  # a.tar's index was written, and removed
+    summary = index_sa1b(archives, str(out), max_skipped=7, progress=False)
+    assert (summary.samples, summary.skipped) == (14, 7)
+    assert len(_by_key(str(out))) == 14
+
+
+@given(st.lists(st.lists(st.text(min_size=1, max_size=3), unique=True, max_size=40), max_size=12))
+def test_keys_seen_are_told_apart_as_a_set_does(batches):
+    keys, seen = SeenKeys(), set()
+    for batch in batches:
+        assert keys.add(batch).tolist() == [k not in seen for k in batch]
+        seen.update(batch)
+    assert len(keys) == len(seen)
 
 
 def test_a_packed_dataset_is_never_overwritten(sa1b_src, sa1b_dataset, tmp_path):
