@@ -293,6 +293,8 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     earlier = _check_out(fs, base, out, storage_options)
     urls = _archives(sources, storage_options)
     made = is_local(fs) and not fs.exists(base)
+    if is_local(fs):
+        fs.makedirs(base, exist_ok=True)
     written: list[str] = []
     try:
         summary, manifest = _index(kind, urls, [_name(u, out_url) for u in urls], workers, storage_options, fs, base,
@@ -305,8 +307,7 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
             fs.rmdir(base)
         raise
     write_bytes(fs, join(base, MANIFEST_NAME), manifest.to_json())  # last: the indexes it lists are in place
-    listed = {shard.index.name for split in manifest.splits.values() for shard in split if shard.index is not None}
-    for name in sorted(earlier - listed):  # the earlier run's indexes no manifest lists now (and nothing else)
+    for name in sorted(earlier - _listed(manifest)):  # the earlier run's indexes no manifest lists now (and nothing else)
         fs.rm_file(join(base, name))
     summary.seconds = time.monotonic() - started
     return summary
@@ -335,7 +336,12 @@ def _check_out(fs: Any, base: str, out: str, storage_options: dict[str, Any] | N
     existing = read_manifest(out, storage_options)
     if existing.origin != "indexed":
         raise PackError(f"{out} holds a packed dataset; index into another folder")
-    return {shard.index.name for split in existing.splits.values() for shard in split if shard.index is not None}
+    return _listed(existing)
+
+
+def _listed(manifest: Manifest) -> set[str]:
+    """The index files a manifest lists."""
+    return {shard.index.name for split in manifest.splits.values() for shard in split if shard.index is not None}
 
 
 class SeenKeys:
@@ -402,8 +408,6 @@ def _index(kind: str, urls: list[str], names: list[str], workers: int, storage_o
                     raise InputError(url, f"cannot be indexed: {exc}") from exc
                 data = built.to_bytes(result.bytes)
                 index = f"{split}-{number:06d}-{hashlib.sha256(data).hexdigest()[:12]}.idx"  # (never another run's file)
-                if is_local(fs):
-                    fs.makedirs(base, exist_ok=True)
                 written.append(index)
                 write_bytes(fs, join(base, index), data)
                 tables[split].append(ShardInfo(name, len(samples), len(samples), result.bytes, result.sha256,

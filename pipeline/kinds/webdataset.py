@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from pipeline.collate import rows
 from pipeline.errors import SampleError, ShardstreamError
 from pipeline.stats import Clock
 
@@ -105,7 +106,7 @@ class WebDataset:
                 not all(isinstance(v, (torch.Tensor, list)) for v in batch.values()):
             raise ValueError(f"flatten needs batches that are a dict of tensors and lists of one length; this collate "
                              f"makes a {type(batch).__name__}: use make_stream_dataset without flatten")
-        return [{name: value[i] for name, value in batch.items()} for i in range(lengths.pop())]
+        return rows(batch)
 
     def check(self, batch: Any, epoch: int) -> list[str]:
         """None of its own: the user's functions decide what a batch holds."""
