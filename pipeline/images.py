@@ -1,8 +1,11 @@
 """Image decoding shared by the kinds: JPEG/PNG bytes -> (3, h, w) uint8 RGB at the size a batch needs.
 
-JPEGs are decoded at the smallest libjpeg scale that covers the frame (`draft`), then resized with
-antialiased bilinear filtering (torch's uint8 kernel, ~6x PIL's). Every image becomes RGB:
-grayscale is replicated, palettes expanded, alpha dropped, 16-bit samples scaled to 8 bits.
+JPEGs are decoded at the smallest libjpeg scale that covers the frame (Pillow's `draft`: 1/2, 1/4,
+1/8), then resized with antialiased bilinear filtering (torch's uint8 kernel, ~6x PIL's). Colour
+and grayscale JPEGs go through libjpeg-turbo straight into an array (simplejpeg): the same pixels
+as Pillow's, bit for bit, without its two copies out of its own image memory (~15% of a decode).
+Every image becomes RGB: grayscale is replicated, palettes expanded, alpha dropped, 16-bit samples
+scaled to 8 bits.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import warnings
 from collections.abc import Sequence
 
 import numpy as np
+import simplejpeg
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -38,10 +42,17 @@ def open_image(data: bytes, formats: Sequence[str], url: str, key: str, field: s
             image = Image.open(io.BytesIO(data), formats=list(formats))
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise SampleError(url, key, field, f"cannot decode {'/'.join(formats)}: {exc}") from exc
-    if image.width * image.height > max_pixels:
+    try:
+        _check_pixels(image.height, image.width, max_pixels, url, key, field)
+    except SampleError:
         image.close()
-        raise SampleError(url, key, field, f"{image.width}x{image.height} pixels exceed the cap {max_pixels}")
+        raise
     return image
+
+
+def _check_pixels(height: int, width: int, max_pixels: int, url: str, key: str, field: str) -> None:
+    if width * height > max_pixels:
+        raise SampleError(url, key, field, f"{width}x{height} pixels exceed the cap {max_pixels}")
 
 
 def to_rgb(image: Image.Image) -> np.ndarray:
@@ -54,22 +65,56 @@ def to_rgb(image: Image.Image) -> np.ndarray:
     return np.array(image.convert("RGB"))
 
 
+def _check_size(height: int, width: int, size: tuple[int, int] | None, url: str, key: str, field: str) -> None:
+    if size is not None and (height, width) != tuple(size):
+        raise SampleError(url, key, field, f"image is {height}x{width}, the record says {size[0]}x{size[1]}")
+
+
+def _draft_scale(height: int, width: int, frame: tuple[int, int]) -> int:
+    """The libjpeg scale denominator Pillow's JPEG `draft` picks for `frame`: the largest of 8, 4, 2, 1
+    that keeps the decoded image at least as large as the frame."""
+    fits = min(width // frame[1], height // frame[0])
+    return next((s for s in (8, 4, 2) if fits >= s), 1)
+
+
+def _turbo_jpeg(data: bytes | memoryview, frame: tuple[int, int] | None, url: str, key: str, field: str, max_pixels: int,
+                size: tuple[int, int] | None) -> np.ndarray | None:
+    """(h, w, 3) RGB pixels of a YCbCr or grayscale JPEG, decoded as Pillow's draft decodes them;
+    None for other JPEGs (CMYK, ...), which Pillow converts."""
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError as exc:
+        raise SampleError(url, key, field, f"cannot decode JPEG: {exc}") from exc
+    _check_pixels(height, width, max_pixels, url, key, field)
+    _check_size(height, width, size, url, key, field)
+    if colorspace not in ("YCbCr", "Gray"):
+        return None
+    scale = 1 if frame is None else _draft_scale(height, width, frame)
+    try:
+        return simplejpeg.decode_jpeg(data, "RGB", min_height=-(-height // scale), min_width=-(-width // scale))
+    except ValueError as exc:
+        raise SampleError(url, key, field, f"cannot decode JPEG: {exc}") from exc
+
+
 def decode_image(data: bytes, frame: tuple[int, int] | None, url: str, key: str,
                  max_pixels: int = MAX_IMAGE_PIXELS, *, formats: Sequence[str] = ("JPEG",), field: str = "jpg",
                  size: tuple[int, int] | None = None) -> torch.Tensor:
     """The image as (3, h, w) uint8 RGB at `frame` (h, w), or as stored with `frame=None`.
     `size`, if given, is the (h, w) the stored image must have."""
-    image = open_image(data, formats, url, key, field, max_pixels)
-    try:
-        with image:
-            if size is not None and (image.height, image.width) != tuple(size):
-                raise SampleError(url, key, field, f"image is {image.height}x{image.width}, the record says "
-                                  f"{size[0]}x{size[1]}")
-            if frame is not None:
-                image.draft("RGB", (frame[1], frame[0]))  # JPEG only; other formats ignore it
-            pixels = torch.from_numpy(to_rgb(image)).permute(2, 0, 1)
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise SampleError(url, key, field, f"cannot decode {'/'.join(formats)}: {exc}") from exc
+    rgb = None
+    if "JPEG" in formats and bytes(data[:3]) == b"\xff\xd8\xff":
+        rgb = _turbo_jpeg(data, frame, url, key, field, max_pixels, size)
+    if rgb is None:
+        image = open_image(data, formats, url, key, field, max_pixels)
+        try:
+            with image:
+                _check_size(image.height, image.width, size, url, key, field)
+                if frame is not None:
+                    image.draft("RGB", (frame[1], frame[0]))  # JPEG only; other formats ignore it
+                rgb = to_rgb(image)
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise SampleError(url, key, field, f"cannot decode {'/'.join(formats)}: {exc}") from exc
+    pixels = torch.from_numpy(rgb).permute(2, 0, 1)
     if frame is None or pixels.shape[1:] == tuple(frame):
         return pixels
     return F.interpolate(pixels[None], size=tuple(frame), mode="bilinear", antialias=True, align_corners=False)[0]

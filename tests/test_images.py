@@ -65,3 +65,38 @@ def test_refusals_name_the_sample_and_field():
         decode_image(_encoded(GRADIENT)[:300], None, "u", "k")  # truncated
     with pytest.raises(SampleError, match="field 'img'"):
         open_image(b"", ("PNG",), "u", "k", "img")
+
+
+@pytest.mark.parametrize("subsampling", [0, 1, 2])
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_jpegs_decode_to_pillows_pixels_at_every_draft_scale(subsampling, progressive, mode):
+    photo = Image.fromarray(np.asarray(Image.fromarray(GRADIENT).resize((457, 301))) ^ np.uint8(0x5A)).convert(mode)
+    out = io.BytesIO()
+    photo.save(out, format="JPEG", quality=90, subsampling=subsampling, progressive=progressive)
+    data = out.getvalue()
+    for frame in [None, (301, 457), (151, 229), (100, 152), (60, 91), (37, 57), (20, 30), (400, 607)]:
+        with Image.open(io.BytesIO(data)) as image:  # Pillow's own reduced decode, then the same resize
+            if frame is not None:
+                image.draft("RGB", (frame[1], frame[0]))
+            expected = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+        if frame is not None and expected.shape[1:] != frame:
+            expected = torch.nn.functional.interpolate(expected[None], size=frame, mode="bilinear", antialias=True,
+                                                       align_corners=False)[0]
+        for given in (data, memoryview(bytearray(data))):
+            assert torch.equal(decode_image(given, frame, "u", "k"), expected), frame
+
+
+def test_a_cmyk_jpeg_is_converted_as_pillow_converts_it():
+    out = io.BytesIO()
+    Image.fromarray(GRADIENT).convert("CMYK").save(out, format="JPEG")
+    with Image.open(io.BytesIO(out.getvalue())) as image:
+        expected = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+    assert torch.equal(decode_image(out.getvalue(), None, "u", "k"), expected)
+
+
+def test_a_corrupt_jpeg_body_is_refused_naming_the_sample():
+    data = bytearray(_encoded(GRADIENT))
+    data[len(data) // 2 : len(data) // 2 + 64] = b"\xff\xd9" * 32  # an end-of-image marker in the scan
+    with pytest.raises(SampleError, match=r"u: sample 'k', field 'jpg': cannot decode JPEG"):
+        decode_image(bytes(data), (48, 64), "u", "k")
