@@ -41,32 +41,38 @@ def run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     lens = np.fromiter((len(s) for s in strings), np.int64, len(strings))
     for index in np.flatnonzero(lens == 0):
         raise RLEError(int(index), "empty counts string")
-    chars = np.frombuffer(b"".join(strings), np.uint8).astype(np.int64) - 48
-    bad = np.flatnonzero((chars < 0) | (chars > 63))
+    raw = np.frombuffer(b"".join(strings), np.uint8)
+    chars = raw - np.uint8(48)  # (a byte below 48 wraps above 63)
+    bad = np.flatnonzero(chars > 63)
     if bad.size:
-        raise RLEError(_owner(lens, bad[0]), f"invalid character {chr(chars[bad[0]] + 48)!r}")
-    end = (chars & 0x20) == 0  # last character of a value
-    ends = np.flatnonzero(end)
+        raise RLEError(_owner(lens, bad[0]), f"invalid character {chr(raw[bad[0]])!r}")
+    ends = np.flatnonzero(chars < 0x20)  # a value's last character: no continuation bit
     string_end = np.cumsum(lens)
-    for index in np.flatnonzero(~end[string_end - 1]):
+    for index in np.flatnonzero(chars[string_end - 1] >= 0x20):
         raise RLEError(int(index), "truncated counts string")
-    starts = np.concatenate(([0], ends[:-1] + 1))
+    starts = np.empty_like(ends)
+    starts[:1], starts[1:] = 0, ends[:-1] + 1
     nchars = ends - starts + 1
-    if nchars.size and nchars.max() > _MAX_CHARS_PER_VALUE:
+    longest = int(nchars.max()) if nchars.size else 0
+    if longest > _MAX_CHARS_PER_VALUE:
         raise RLEError(_owner(lens, starts[np.argmax(nchars)]), "run length value too long")
-    shift = 5 * (np.arange(chars.size) - np.repeat(starts, nchars))
-    values = np.add.reduceat((chars & 0x1F) << shift, starts) if starts.size else np.zeros(0, np.int64)
-    values -= np.where(chars[ends] & 0x10, np.left_shift(1, 5 * nchars), 0)  # sign of the last group
-    # Undo the delta coding: for m > 2, run[m] = value[m] + run[m - 2], per string.
+    groups = chars & np.uint8(0x1F)
+    values = groups[starts].astype(np.int64)
+    for j in range(1, longest):  # 5 more bits from each value's j-th character (most have one)
+        more = np.flatnonzero(nchars > j)
+        values[more] |= groups[starts[more] + j].astype(np.int64) << (5 * j)
+    values -= (groups[ends] >> 4).astype(np.int64) << (5 * nchars)  # the last group's top bit: the sign
+    # Undo the delta coding: for m > 2, run[m] = value[m] + run[m - 2], per string. Sums over
+    # every other value (c2) give it in one pass: run[m] = c2[m] - c2 just before its chain.
     runs_per = np.diff(np.searchsorted(ends, np.concatenate(([0], string_end))))
-    first = np.concatenate(([0], np.cumsum(runs_per)[:-1]))
-    m = np.arange(values.size) - np.repeat(first, runs_per)
-    odd, even = (m & 1) == 1, ((m & 1) == 0) & (m >= 2)
-    chained = []
-    for chain in (odd, even):
-        total = np.cumsum(np.where(chain, values, 0))
-        chained.append(total - np.repeat(np.where(first > 0, total[first - 1], 0), runs_per))
-    return np.where(odd, chained[0], np.where(even, chained[1], values)), runs_per
+    first = np.cumsum(runs_per) - runs_per
+    c2 = np.empty_like(values)
+    c2[0::2], c2[1::2] = np.cumsum(values[0::2]), np.cumsum(values[1::2])
+    odd = (np.arange(values.size) & 1).astype(bool) != np.repeat((first & 1).astype(bool), runs_per)  # m is odd
+    before_odd = np.where(first > 0, c2[first - 1], 0)  # (m = 1, 3, ... follow the previous string's values)
+    runs = c2 - np.where(odd, np.repeat(before_odd, runs_per), np.repeat(c2[first], runs_per))
+    runs[first] = values[first]
+    return runs, runs_per
 
 
 def _owner(lens: np.ndarray, char_index: int) -> int:
