@@ -3,7 +3,8 @@
 JPEGs are decoded at the smallest libjpeg scale that covers the frame (Pillow's `draft`: 1/2, 1/4,
 1/8), then resized with antialiased bilinear filtering (torch's uint8 kernel, ~6x PIL's). Colour
 and grayscale JPEGs go through libjpeg-turbo straight into an array (simplejpeg): the same pixels
-as Pillow's, bit for bit, without its two copies out of its own image memory (~15% of a decode).
+as Pillow's, bit for bit, without its two copies out of its own image memory (~15% of a decode);
+what simplejpeg refuses goes to Pillow, which packing checked the JPEGs with.
 Every image becomes RGB: grayscale is replicated, palettes expanded, alpha dropped, 16-bit samples
 scaled to 8 bits.
 """
@@ -80,11 +81,12 @@ def _draft_scale(height: int, width: int, frame: tuple[int, int]) -> int:
 def _turbo_jpeg(data: bytes | memoryview, frame: tuple[int, int] | None, url: str, key: str, field: str, max_pixels: int,
                 size: tuple[int, int] | None) -> np.ndarray | None:
     """(h, w, 3) RGB pixels of a YCbCr or grayscale JPEG, decoded as Pillow's draft decodes them;
-    None for other JPEGs (CMYK, ...), which Pillow converts."""
+    None for what Pillow should take instead: other JPEGs (CMYK, ...) and any that libjpeg-turbo's
+    simpler API refuses (odd subsampling, damage), which Pillow then decodes or names."""
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError as exc:
-        raise SampleError(url, key, field, f"cannot decode JPEG: {exc}") from exc
+    except ValueError:
+        return None
     _check_pixels(height, width, max_pixels, url, key, field)
     _check_size(height, width, size, url, key, field)
     if colorspace not in ("YCbCr", "Gray"):
@@ -92,8 +94,8 @@ def _turbo_jpeg(data: bytes | memoryview, frame: tuple[int, int] | None, url: st
     scale = 1 if frame is None else _draft_scale(height, width, frame)
     try:
         return simplejpeg.decode_jpeg(data, "RGB", min_height=-(-height // scale), min_width=-(-width // scale))
-    except ValueError as exc:
-        raise SampleError(url, key, field, f"cannot decode JPEG: {exc}") from exc
+    except ValueError:
+        return None
 
 
 def decode_image(data: bytes, frame: tuple[int, int] | None, url: str, key: str,

@@ -95,8 +95,14 @@ def test_a_cmyk_jpeg_is_converted_as_pillow_converts_it():
     assert torch.equal(decode_image(out.getvalue(), None, "u", "k"), expected)
 
 
-def test_a_corrupt_jpeg_body_is_refused_naming_the_sample():
+def test_a_jpeg_libjpeg_turbo_refuses_is_decoded_or_refused_as_pillow_does():
+    """Packing checks JPEGs with Pillow, so the loader takes what Pillow takes: a scan with damage
+    libjpeg only warns about decodes to Pillow's pixels; a truncated one is refused by name."""
     data = bytearray(_encoded(GRADIENT))
-    data[len(data) // 2 : len(data) // 2 + 64] = b"\xff\xd9" * 32  # an end-of-image marker in the scan
-    with pytest.raises(SampleError, match=r"u: sample 'k', field 'jpg': cannot decode JPEG"):
-        decode_image(bytes(data), (48, 64), "u", "k")
+    data[len(data) // 2 : len(data) // 2 + 64] = b"\xff\xd9" * 32  # end-of-image markers inside the scan
+    with Image.open(io.BytesIO(bytes(data))) as image:
+        image.draft("RGB", (64, 48))
+        expected = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+    assert torch.equal(decode_image(bytes(data), (48, 64), "u", "k"), expected)
+    with pytest.raises(SampleError, match=r"u: sample 'k', field 'jpg': cannot decode JPEG: image file is truncated"):
+        decode_image(_encoded(GRADIENT)[:-100], (48, 64), "u", "k")
