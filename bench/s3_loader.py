@@ -12,6 +12,8 @@ the machine hits them alike, each with a fresh loader per epoch (num_workers=2, 
   s3 warm    the same cache, filled by an earlier epoch
 Time to first batch runs from `make_stream_loader()` to the first batch in hand (worker start
 included); samples/s from the first batch to the end of the epoch. Medians over the rounds.
+Then `shard-pack verify` of the dataset from local disk and from s3:// (each shard streamed once
+into a temporary file, its samples checked from there), once each.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from sa1b_loader import SETTINGS, prepare  # (bench/ is on the path of a script run from it)
 
 from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
+from shard_tools.verify import verify
 
 os.environ["AWS_EC2_METADATA_DISABLED"] = AWS_ENV["AWS_EC2_METADATA_DISABLED"]
 
@@ -82,6 +85,11 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, run in ways.items():
                 results[name].append(run())
+        verified = {}
+        for name, source, options_ in (("local", str(shards), None), ("s3", remote, options)):
+            start = time.perf_counter()
+            problems = verify(source, progress=False, storage_options=options_)
+            verified[name] = f"{time.perf_counter() - start:.1f} s ({len(problems)} problems)"
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -92,6 +100,7 @@ def main() -> None:
         first, rate = (statistics.median(x[i] for x in runs) for i in (0, 1))
         print(f"{name:<10}{first:>15.2f}{first / local_first:>9.2f}{rate:>11.1f}{rate / local_rate:>10.0%}")
     print("targets: samples/s >= 80% of local; time to first batch <= 2x local")
+    print(f"shard-pack verify (every sample decoded): local {verified['local']}, s3 {verified['s3']}")
 
 
 if __name__ == "__main__":

@@ -3,20 +3,24 @@ bring an older dataset to the current schema in place."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
+import os
 import sys
-from collections.abc import Iterator
-from typing import Any
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.errors import ShardstreamError
+from pipeline.errors import ShardError, ShardstreamError
 from pipeline.format import BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name
 from pipeline.kinds import KINDS, Kind
 from pipeline.stats import Clock
-from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, shard_url, write_bytes
+from pipeline.storage import Retry, ShardReader, filesystem, is_local, join, read_manifest, shard_url, write_bytes
 from pipeline.tario import parse_sample, sample_members
 
 __all__ = ["describe", "verify", "upgrade"]
@@ -57,7 +61,10 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
     """Every problem in the dataset: missing shards or indexes, sizes or checksums that disagree
     with the manifest, indexes that disagree with their shards, undecodable samples. Samples are
     read as the loader reads them: the shard's index and each sample's bytes through a
-    `ShardReader`, its members by `tario`, decoded by the kind (`Kind.for_verify`: everything)."""
+    `ShardReader`, its members by `tario`, decoded by the kind (`Kind.for_verify`: everything).
+    A shard on object storage is streamed once, into a temporary file (one shard at a time, in
+    TMPDIR) as it is hashed, and its samples are read from that copy: one sequential read per
+    shard, not a range request per sample."""
     manifest = read_manifest(root, storage_options)
     kind_class = KINDS.get(manifest.kind)  # (None: a kind whose samples only the user decodes: members checked)
     kind = kind_class.for_verify(manifest) if kind_class is not None else None
@@ -83,20 +90,40 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
                 continue
             if size != shard.bytes:
                 problems.append(f"{url}: {size} bytes, the manifest says {shard.bytes}")
-            digest = hashlib.sha256()
-            with shard_fs.open(path, "rb", block_size=_READ_BLOCK) as f:
-                while block := f.read(_READ_BLOCK):
-                    digest.update(block)
-            if digest.hexdigest() != shard.sha256:
-                problems.append(f"{url}: SHA-256 {digest.hexdigest()}, the manifest says {shard.sha256}")
-            problems += _check_samples(reader, url, shard, index, kind, bar, packed)
-            if packed:  # (an original archive holds more than one split's samples, and other members)
-                problems += _check_end(shard_fs, path, url, shard, index)
+            with contextlib.ExitStack() as stack:
+                copy = None if is_local(shard_fs) else stack.enter_context(tempfile.TemporaryFile(prefix="shard-pack-verify-"))
+                digest = hashlib.sha256()
+                with shard_fs.open(path, "rb", block_size=_READ_BLOCK) as f:
+                    while block := f.read(_READ_BLOCK):
+                        digest.update(block)
+                        if copy is not None:
+                            copy.write(block)
+                if digest.hexdigest() != shard.sha256:
+                    problems.append(f"{url}: SHA-256 {digest.hexdigest()}, the manifest says {shard.sha256}")
+                if copy is None:
+                    read = functools.partial(reader.read, shard.name, shard.bytes, shard.sha256)
+                else:
+                    copy.flush()
+                    read = _copied(copy, url)
+                problems += _check_samples(read, url, index, kind, bar, packed)
+                if packed:  # (an original archive holds more than one split's samples, and other members)
+                    problems += _check_end(read, url, shard, index)
     bar.close()
     return problems
 
 
-def _check_samples(reader: ShardReader, url: str, shard: ShardInfo, index: ShardIndex, kind: Kind | None,
+def _copied(copy: IO[bytes], url: str) -> Callable[[int, int, str], bytes]:
+    """Bytes [start, end) of a shard from its copy in a temporary file."""
+    def read(start: int, end: int, key: str) -> bytes:
+        data = os.pread(copy.fileno(), end - start, start)
+        if len(data) < end - start:
+            raise ShardError(url, f"sample {key!r}: shard is {os.fstat(copy.fileno()).st_size} bytes, shorter than the "
+                             f"sample's range ({start}-{end})")
+        return data
+    return read
+
+
+def _check_samples(read: Callable[[int, int, str], bytes | memoryview], url: str, index: ShardIndex, kind: Kind | None,
                    bar: Any, packed: bool) -> list[str]:
     """Each sample read by range and parsed at its index's members (an original archive's may lie
     apart; a `packed` shard's must fill its span, as packing wrote them), then decoded whole (kinds
@@ -107,7 +134,7 @@ def _check_samples(reader: ShardReader, url: str, shard: ShardInfo, index: Shard
         key, (start, end) = index.key(i), index.span(i)
         recorded = index.sample_members(i) if index.members is not None else None
         try:
-            data = reader.read(shard.name, shard.bytes, shard.sha256, start, end, key)
+            data = read(start, end, key)
             if packed:  # (a packed sample's members fill its span: walked, they must be the index's)
                 found = [(ext, start + at, size) for ext, at, size in sample_members(data, url, key)]
                 if recorded is not None and found != recorded:
@@ -126,10 +153,14 @@ def _check_samples(reader: ShardReader, url: str, shard: ShardInfo, index: Shard
     return problems
 
 
-def _check_end(fs: Any, path: str, url: str, shard: ShardInfo, index: ShardIndex) -> list[str]:
+def _check_end(read: Callable[[int, int, str], bytes | memoryview], url: str, shard: ShardInfo,
+               index: ShardIndex) -> list[str]:
     """A packed shard ends with a tar end-of-archive right after its last sample."""
     end = int(index.spans[-1, 1]) if index.samples else 0
-    tail = fs.cat_file(path, start=end, end=shard.bytes) if shard.bytes >= end else b""
+    try:
+        tail = bytes(read(end, shard.bytes, "(end of archive)")) if shard.bytes >= end else b""
+    except ShardstreamError:
+        tail = b""
     if len(tail) < 2 * BLOCK_BYTES or tail.strip(b"\0"):
         return [f"{url}: does not end with a tar end-of-archive after its last sample"]
     return []

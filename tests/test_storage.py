@@ -30,7 +30,7 @@ from pipeline.storage import Retry, filesystem, read_range
 from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
-from shard_tools.verify import upgrade
+from shard_tools.verify import upgrade, verify
 from conftest import indexed, split_keys
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
@@ -453,3 +453,28 @@ def test_a_released_mapped_sample_leaves_resident_memory(tmp_path):
     assert touched - released > 40_000  # and out again
     assert bytes(view[:1000]) == data[4096:5096] and bytes(view[-1000:]) == data[-5096:-4096]
     release_pages(b"copied bytes")  # (read by copy: nothing to do)
+
+
+def test_verify_on_object_storage_reads_each_shard_once_and_checks_every_sample(server, sa1b_dataset, proxy):
+    """`shard-pack verify` of an s3:// dataset streams each shard front to back once (its samples are
+    checked from that copy), not a range request per sample; a damaged sample is still named."""
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    root = f"s3://{_bucket(server)}/sa1b"
+    fs.put(sa1b_dataset + "/", root[5:] + "/", recursive=True)
+    options = storage_options(proxy.endpoint)
+    assert verify(root, progress=False, storage_options=options) == []
+    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), sa1b_dataset)
+    shards = {s.name: s for split in manifest.splits.values() for s in split}
+    tar_gets = [r.target.split("?")[0].rsplit("/", 1)[1] for r in proxy.gets() if r.target.split("?")[0].endswith(".tar")]
+    assert sorted(set(tar_gets)) == sorted(shards) and all(tar_gets.count(name) == 1 for name in shards), tar_gets
+    assert sum(s.samples for s in shards.values()) > len(shards)
+
+    shard, index = indexed(sa1b_dataset)[0]
+    name = shard.name
+    data = bytearray(pathlib.Path(sa1b_dataset, name).read_bytes())
+    start, end = index.span(1)
+    data[start + 2048 : end - 1024] = bytes(end - 1024 - start - 2048)  # the sample's bytes zeroed, the size kept
+    fs.pipe(f"{root[5:]}/{name}", bytes(data))
+    problems = verify(root, progress=False, storage_options=options)
+    assert any(f"{name}: SHA-256" in p for p in problems)
+    assert any(f"sample {index.key(1)!r}" in p for p in problems), problems
