@@ -92,24 +92,29 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
                 problems.append(f"{url}: {size} bytes, the manifest says {shard.bytes}")
             with contextlib.ExitStack() as stack:
                 copy = None if is_local(shard_fs) else stack.enter_context(tempfile.TemporaryFile(prefix="shard-pack-verify-"))
-                digest = hashlib.sha256()
-                with shard_fs.open(path, "rb", block_size=_READ_BLOCK) as f:
-                    while block := f.read(_READ_BLOCK):
-                        digest.update(block)
-                        if copy is not None:
-                            copy.write(block)
-                if digest.hexdigest() != shard.sha256:
-                    problems.append(f"{url}: SHA-256 {digest.hexdigest()}, the manifest says {shard.sha256}")
-                if copy is None:
-                    read = functools.partial(reader.read, shard.name, shard.bytes, shard.sha256)
-                else:
-                    copy.flush()
-                    read = _copied(copy, url)
+                sha256 = _sha256(shard_fs, path, copy)
+                if sha256 != shard.sha256:
+                    problems.append(f"{url}: SHA-256 {sha256}, the manifest says {shard.sha256}")
+                read = functools.partial(reader.read, shard.name, shard.bytes, shard.sha256) if copy is None else \
+                    _copied(copy, url)
                 problems += _check_samples(read, url, index, kind, bar, packed)
                 if packed:  # (an original archive holds more than one split's samples, and other members)
                     problems += _check_end(read, url, shard, index)
     bar.close()
     return problems
+
+
+def _sha256(fs: Any, path: str, copy: IO[bytes] | None) -> str:
+    """A shard's SHA-256, read front to back in large blocks, written to `copy` as it comes (if given)."""
+    digest = hashlib.sha256()
+    with fs.open(path, "rb", block_size=_READ_BLOCK) as f:
+        while block := f.read(_READ_BLOCK):
+            digest.update(block)
+            if copy is not None:
+                copy.write(block)
+    if copy is not None:
+        copy.flush()
+    return digest.hexdigest()
 
 
 def _copied(copy: IO[bytes], url: str) -> Callable[[int, int, str], bytes]:
