@@ -16,8 +16,8 @@ import colorsys
 import dataclasses
 import os
 import pathlib
-import tempfile
 import textwrap
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -69,15 +69,16 @@ def preview(source: str, split: str, *, n: int = 8, seed: int = 0, tile: int = 2
 
 
 def write_png(image: Image.Image, path: str | os.PathLike[str]) -> None:
-    """Write `image` as PNG at `path` atomically (a temporary file beside it, then a rename)."""
+    """Write `image` as PNG at `path` atomically (a temporary file beside it, then a rename), with the
+    mode the user's umask gives a new file (mkstemp's would be 0600)."""
     path = pathlib.Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             image.save(f, format="PNG")
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -5,6 +5,7 @@ embeddings table, the CLI and its atomic PNG."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -74,10 +75,15 @@ def test_sa1b_preview_through_the_cli_writes_a_png_atomically(sa1b_dataset, tmp_
     out = tmp_path / "preview.png"
     argv = ["preview", sa1b_dataset, "--split", "val", "-n", "3", "--out", str(out), "--image-size", "64",
             "--mask-size", "32"]
-    assert main(argv) == 0
+    umask = os.umask(0o022)
+    try:
+        assert main(argv) == 0
+    finally:
+        os.umask(umask)
     with Image.open(out) as image:
         image.verify()
     assert [p.name for p in tmp_path.iterdir()] == ["preview.png"]
+    assert out.stat().st_mode & 0o777 == 0o644, "the user's umask, as any new file gets"
     printed = capsys.readouterr().out
     assert printed.startswith(f"preview: {out} (") and printed.count("sa_") == 3
     assert main([*argv[:-4], "--per", "image"]) == 2  # a VQA option for an SA-1B dataset

@@ -4,6 +4,7 @@ recommendation rule on given rows, and bad arguments. No timing is asserted."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from PIL import Image
@@ -18,7 +19,12 @@ def test_a_small_sweep_prints_a_row_per_setting_and_a_recommendation(sa1b_datase
     png, rows = tmp_path / "tune.png", tmp_path / "tune.json"
     argv = ["tune", sa1b_dataset, "--split", "train", "--batch-size", "2", "--workers", "0,1", "--batches", "2",
             "--warmup", "1", *SMALL, "--plot", str(png), "--json", str(rows)]
-    assert main(argv) == 0
+    umask = os.umask(0o027)
+    try:
+        assert main(argv) == 0
+    finally:
+        os.umask(umask)
+    assert png.stat().st_mode & 0o777 == 0o640 and rows.stat().st_mode & 0o777 == 0o640, "the user's umask"
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["workers", "prefetch", "read_ahead"]
     table = [line.split() for line in lines[1:3]]
