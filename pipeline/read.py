@@ -91,10 +91,10 @@ class ProcessReaders:
 
     def lease_problem(self) -> ShardError | None:
         """A mapped shard that another process is rewriting in place, named (see
-        `ShardReader.check_leases`); the samples opened from any shard are dropped then."""
+        `MappedFiles.check_leases`); the samples opened from any shard are dropped then."""
         if self.pid != os.getpid():
             return None
-        problems = [p for reader in self.readers for p in reader.check_leases()]
+        problems = [p for reader in self.readers for p in reader.mapped.check_leases()]
         if not problems:
             return None
         self.opened = Opened(self.config.unit_cache_bytes)

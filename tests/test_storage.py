@@ -242,7 +242,7 @@ def test_transient_faults_are_retried_without_loss(remote, sa1b_dataset, proxy, 
 
 
 def test_a_cut_long_read_resumes_from_the_piece_reached(remote, sa1b_dataset, proxy, monkeypatch):
-    monkeypatch.setattr(storage, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(storage.fs, "PIECE_BYTES", 4096)
     manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
     shard = manifest.splits["train"][0]
     fs, base = filesystem(f"{remote}/{shard.name}", storage_options(proxy.endpoint))

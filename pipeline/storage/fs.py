@@ -1,0 +1,136 @@
+"""Filesystems by URL (fsspec: local paths and any URL alike), made in the process that uses them,
+and the generic ranged read and atomic small write over them.
+
+For `s3://`, botocore's and s3fs's own retry loops are turned off (they multiply: 5 x 5 tries by
+default) unless the caller sets them, so `Retry` alone decides how often a request is tried, and a
+long range read resumes from the last whole piece it reached."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import posixpath
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from pipeline.errors import ShardError
+from pipeline.storage.retry import Retry, Truncated, describe, transient, with_retries
+
+__all__ = ["PIECE_BYTES", "filesystem", "is_local", "join", "read_range", "shard_url", "write_bytes"]
+
+def join(root: str, name: str) -> str:
+    return posixpath.join(root.rstrip("/"), name)
+
+
+def shard_url(root: str, name: str) -> str:
+    """Where a shard the manifest at `root` names is: in the dataset's folder (packed shards, and
+    archives indexed in place under it, named relative to it), or at an absolute path or URL."""
+    return name if name.startswith("/") or "://" in name else join(root, name)
+
+
+def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of a URL, with s3fs's and botocore's retries off unless the options set
+    them (`Retry` is the one retry layer). Call it in the process that reads: filesystems are not fork-safe.
+
+    An s3 filesystem is made once per process, options and AWS_* environment (what botocore reads)
+    and kept, its listings cache off so that nothing it answers goes stale: its client costs
+    ~0.1-0.2 s to make, and one inherited by a forked worker must never be collected there (s3fs's
+    finalizer would wait a second for the parent's event loop, then print "attached to a different
+    loop")."""
+    options = dict(storage_options or {})
+    if not url.startswith(("s3://", "s3a://")):
+        return url_to_fs(url, **options)
+    aws = sorted((name, value) for name, value in os.environ.items() if name.startswith("AWS_"))
+    key = (os.getpid(), json.dumps([options, aws], sort_keys=True, default=repr))
+    fs = _FILESYSTEMS.get(key)
+    if fs is None:
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1})
+        options["config_kwargs"] = config
+        options.setdefault("skip_instance_cache", True)  # our instance: its `retries` below is ours to set
+        options.setdefault("use_listings_cache", False)
+        options.setdefault("session", _botocore_session())
+        fs, _ = url_to_fs(url, **options)
+        if "retries" not in options:
+            fs.retries = 1  # s3fs's own loop: one try
+        fs = _FILESYSTEMS.setdefault(key, fs)
+    return fs, fs._strip_protocol(url)
+
+
+_FILESYSTEMS: dict[tuple[int, str], fsspec.AbstractFileSystem] = {}  # s3: by process and options, never dropped
+_SESSION: list[Any] = []  # the process's aiobotocore session
+
+
+def _botocore_session() -> Any:
+    """One botocore session per process, inherited by forked DataLoader workers: its parsed service
+    models make their clients ~3x faster to create. A session holds no connection or event loop
+    (those belong to each filesystem's client), so sharing it across fork is safe."""
+    if not _SESSION:
+        from aiobotocore.session import AioSession
+
+        _SESSION.append(AioSession())
+    return _SESSION[0]
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+
+PIECE_BYTES = 8 << 20  # a long read is a series of range requests of this size; a retry redoes one piece
+
+
+def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, end: int, key: str | None = None,
+               retry: Retry = Retry()) -> bytes:
+    """Bytes [start, end) of a shard (holding sample `key`), read in pieces of `PIECE_BYTES`. A transient
+    failure is retried from the piece it hit (the pieces before it are kept); a missing file, a short
+    file or a failure past the retries is a ShardError."""
+    what = f"sample {key!r}: " if key is not None else ""
+
+    def piece(first: int, stop: int) -> bytes:
+        data = fs.cat_file(path, start=first, end=stop)
+        if len(data) != stop - first:
+            raise Truncated(f"bytes {first}-{stop} gave {len(data)} bytes")
+        return data
+
+    parts = []
+    for first in range(start, end, PIECE_BYTES):
+        stop = min(first + PIECE_BYTES, end)
+        try:
+            parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", functools.partial(piece, first, stop)))
+        except FileNotFoundError as exc:
+            raise ShardError(url, f"{what}shard is missing") from exc
+        except Exception as exc:
+            tries = f" after {retry.attempts} tries" if transient(exc) else ""
+            raise ShardError(url, f"{what}cannot read bytes {first}-{stop}{tries}: {describe(exc)}") from exc
+    return b"".join(parts)
+
+
+
+def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, retry: Retry = Retry()) -> None:
+    """Write a small file so that readers see all of it or nothing: on a local disk a synced temporary
+    file renamed into place (removed if the write fails: the OSError then names `path`); on object
+    storage one PUT (objects appear only when complete)."""
+    if is_local(fs):
+        partial = f"{path}.partial-{uuid.uuid4().hex}"
+        try:
+            with open(partial, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, path)
+        except BaseException as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            if isinstance(exc, OSError) and exc.errno is not None:  # (a failed write names no file)
+                raise OSError(exc.errno, exc.strerror, path) from exc
+            raise
+        return
+    with_retries(retry, fs.unstrip_protocol(path), lambda: fs.pipe_file(path, data))
+

@@ -1,0 +1,210 @@
+"""The reader that picks, per shard, among mapped local files, the shard cache and ranged reads."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import fsspec
+
+from pipeline.errors import ShardError
+from pipeline.format import ShardIndex, ShardInfo
+from pipeline.storage.cache import CacheFull, ShardCache
+from pipeline.storage.fs import PIECE_BYTES, filesystem, is_local, join, read_range, shard_url
+from pipeline.storage.local import MappedFiles
+from pipeline.storage.meta import read_index
+from pipeline.storage.retry import Retry, describe, with_retries
+
+__all__ = ["ShardReader"]
+
+log = logging.getLogger("pipeline.storage")
+
+
+class ShardReader:
+    """Reads samples of one dataset's shards by byte range, with retries, from storage or the cache.
+
+    With a cache, a shard not cached yet is downloaded whole in a background thread while its
+    samples keep streaming by byte range: the first batch never waits for whole shards.
+    Build it in the process that reads (a DataLoader worker).
+
+    Local shards (in place or cached) are memory-mapped under read leases (`local.MappedFiles`)."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None, retry: Retry,
+                 cache: ShardCache | None = None, verified: tuple[Any, Sequence[str]] | None = None,
+                 index_bytes: int = 64 << 20) -> None:
+        """`verified`: to check local shards' SHA-256, a table of one row per shard (an int64 array
+        of shape (shards, 3), shared between the processes reading) and the shards' names.
+        `index_bytes`: shard indexes kept (least recently used dropped past it)."""
+        self.root, self.retry = root, retry
+        self.fs, self.base = filesystem(root, storage_options)
+        self.cache = None if is_local(self.fs) else cache  # local shards are read in place
+        self._indexes: collections.OrderedDict[str, ShardIndex] = collections.OrderedDict()
+        self._index_limit, self._index_held = index_bytes, 0
+        self._downloads: dict[str, concurrent.futures.Future[str]] = {}
+        self._waiting: dict[str, tuple[int, str]] = {}  # wanted before `start_downloads`
+        self._started = False
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.mapped = MappedFiles(root)  # local shards, in place or cached
+        self._verified = verified
+        self._index: dict[str, int] | None = None  # shard name -> row of `verified`
+        self._storage_options = storage_options
+        self._places: dict[str, tuple[fsspec.AbstractFileSystem, str, str]] = {}
+
+    def _place(self, name: str) -> tuple[fsspec.AbstractFileSystem, str, str]:
+        """(filesystem, path, URL) of a shard: in the dataset's folder, or where its absolute name says
+        (an archive indexed in place: another bucket, or object storage under a local dataset)."""
+        found = self._places.get(name)
+        if found is None:
+            url = shard_url(self.root, name)
+            fs, path = (self.fs, join(self.base, name)) if url == join(self.root, name) else \
+                filesystem(url, self._storage_options)
+            found = self._places.setdefault(name, (fs, path, url))
+        return found
+
+    def holds_index(self, name: str) -> bool:
+        return name in self._indexes
+
+    def index(self, shard: ShardInfo) -> ShardIndex:
+        """The shard's index: fetched when first asked for, then kept (least recently used dropped
+        past `index_bytes`, but the newest)."""
+        with self._lock:
+            found = self._indexes.get(shard.name)
+            if found is not None:
+                self._indexes.move_to_end(shard.name)
+                return found
+        index = read_index(self.fs, self.base, self.root, shard, self.retry, self.cache)
+        if shard.index is not None:
+            with self._lock:
+                if shard.name not in self._indexes:
+                    self._indexes[shard.name] = index
+                    self._index_held += index.nbytes
+                while self._index_held > self._index_limit and len(self._indexes) > 1:
+                    self._index_held -= self._indexes.popitem(last=False)[1].nbytes
+        return index
+
+    def size(self, name: str, key: str) -> int:
+        """The shard's size in bytes (when reading sample `key`, for messages)."""
+        fs, path, url = self._place(name)
+        try:
+            return with_retries(self.retry, url, lambda: fs.size(path))
+        except FileNotFoundError as exc:
+            raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+        except Exception as exc:
+            raise ShardError(url, f"sample {key!r}: cannot stat shard: {describe(exc)}") from exc
+
+    def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str) -> bytes | memoryview:
+        """Bytes [start, end) of a shard: a view of the file mapped in memory when it is on local disk
+        (in place or in the cache: no copy), else read by range."""
+        fs, path, url = self._place(name)
+        if self.cache is not None:
+            local = self.cache.lookup(url, sha256)
+            if local is not None:
+                with contextlib.suppress(FileNotFoundError):  # (evicted meanwhile: stream)
+                    data = self.mapped.read(local, url, start, end)
+                    if len(data) == end - start:
+                        return data
+            self._download(name, size, sha256)
+        elif is_local(fs):
+            try:
+                if self._verified is not None:
+                    self._verify(name, path, url, sha256)
+                data = self.mapped.read(path, url, start, end)
+            except FileNotFoundError as exc:
+                raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+            except (OSError, ValueError) as exc:
+                raise ShardError(url, f"sample {key!r}: cannot read the shard: {describe(exc)}") from exc
+            if len(data) < end - start:
+                actual: int | str = "now fewer"
+                with contextlib.suppress(OSError):
+                    actual = os.stat(path).st_size
+                raise ShardError(url, f"sample {key!r}: shard is {actual} bytes, shorter than the sample's range "
+                                 f"({start}-{end})")
+            return data
+        if self._verified is not None:  # (an archive indexed in place, on object storage under a local dataset)
+            raise ShardError(url, f"sample {key!r}: verify='sha256' checks shards on local disk; this one is on object "
+                             "storage (`shard-pack verify` checks it)")
+        return read_range(fs, path, url, start, end, key, self.retry)
+
+    def _verify(self, name: str, path: str, url: str, sha256: str) -> None:
+        """Check a local shard's SHA-256 against the manifest's, unless the shared table says the file
+        as it is now (inode, size, mtime) was checked: by one process at a time (a lock on the shard,
+        so that the others wait for its answer instead of hashing it again)."""
+        table, names = self._verified  # type: ignore[misc]
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(names)}
+        row = table[self._index[name]]
+
+        def checked() -> bool:
+            stat = os.stat(path)
+            return row.tolist() == [stat.st_ino, stat.st_size, stat.st_mtime_ns]
+
+        if checked():
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(OSError):  # (no lock where the filesystem has none: hash it here too)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if checked():
+                return
+            stat = os.fstat(fd)
+            digest = hashlib.sha256()
+            while block := os.read(fd, 1 << 22):
+                digest.update(block)
+            if digest.hexdigest() != sha256:
+                raise ShardError(url, f"content has SHA-256 {digest.hexdigest()}, the manifest says {sha256}: the "
+                                 "shard was changed since it was packed, or the manifest was edited (verify='sha256')")
+            row[:] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            log.debug("%s: SHA-256 checked", url)
+        finally:
+            os.close(fd)  # (and the lock)
+
+    def start_downloads(self) -> None:
+        """Let background downloads begin (after the first batch: they would slow it down)."""
+        with self._lock:
+            self._started, waiting = True, list(self._waiting.items())
+            self._waiting.clear()
+        for name, args in waiting:
+            self._download(name, *args)
+
+    def _download(self, name: str, size: int, sha256: str) -> None:
+        assert self.cache is not None
+        cache, (fs, path, url) = self.cache, self._place(name)
+        with self._lock:
+            if not self._started:
+                self._waiting[name] = (size, sha256)
+                return
+            running = self._downloads.get(name)
+            if running is not None and not running.done():
+                return
+            if running is not None and running.exception() is not None:
+                failed = running.exception()
+                log.log(logging.INFO if isinstance(failed, CacheFull) else logging.WARNING,
+                        "%s: caching failed (%s); trying again", url, failed)
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardstream-cache")
+
+            def fetch(f: Any) -> None:
+                for offset in range(0, size, 8 * PIECE_BYTES):
+                    f.write(read_range(fs, path, url, offset, min(offset + 8 * PIECE_BYTES, size), None, self.retry))
+
+            self._downloads[name] = self._pool.submit(cache.fetch, url, size, sha256, fetch)
+
+    def settle(self) -> None:
+        """Wait for the background downloads (the end of an epoch); a failed one is logged, not raised:
+        its samples were read by byte range."""
+        with self._lock:
+            downloads, self._downloads = list(self._downloads.items()), {}
+        for name, future in downloads:
+            exc = future.exception()
+            if exc is not None:
+                log.log(logging.INFO if isinstance(exc, CacheFull) else logging.WARNING, "%s: caching failed: %s",
+                        shard_url(self.root, name), exc)
