@@ -341,8 +341,8 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     first time the loader reads it (by whichever worker comes first; the others wait for that
     check), again only if its inode, size or mtime change: a shard replaced by one of the same
     size, or a wrong manifest, is named before any of its samples is used. It costs reading each
-    shard whole once per loader, workers fresh each epoch or not (~1 s per GiB on a core of this
-    VM, from the page cache), on the path of the first batches that use it. Shards on object
+    shard whole once per loader, workers fresh each epoch or not (~1 s per GiB on one core
+    from the page cache), on the path of the first batches that use it. Shards on object
     storage are refused with it: cached ones are always checked when downloaded, and
     `shard-pack verify` checks a whole dataset.
     """

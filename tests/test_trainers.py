@@ -341,9 +341,9 @@ def test_grpo_on_two_processes_splits_each_round(vqa, vlm, tmp_path):
     _check_grpo(vqa, [list(step) for step in zip(*calls)], prompts=4)
 
 
-def test_the_readme_shows_the_example_the_tests_run():
-    readme = (REPO / "README.md").read_text()
-    block = readme[readme.index("### GRPO with TRL"):]
+def test_the_docs_show_the_example_the_tests_run():
+    readme = (REPO / "docs" / "trainers.md").read_text()
+    block = readme[readme.index("## GRPO with TRL"):]
     block = block[block.index("```python\n") + 10 : block.index("```\n", block.index("```python\n") + 10)]
     script = (REPO / "examples" / "grpo_vqa.py").read_text()
     imports, _, code = block.partition("\n\n\n")
