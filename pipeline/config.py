@@ -44,6 +44,10 @@ class LoaderConfig:
     cache_dir: str | None = None  # with cache_limit: whole shards kept on local disk (see storage.ShardCache)
     cache_limit: int | None = None
     read_ahead: int = 1  # batches whose samples are read while the current one decodes
+    # Object storage: samples read ahead in merged byte spans (`pipeline.read.merge_spans`), at most this many
+    # bytes of spans held per worker (fetched or in flight, not yet used); 0: one request per sample.
+    read_ahead_bytes: int = 256 << 20
+    read_amplification: float = 2.0  # a span reads at most this many times the bytes of the samples it serves
     read_threads: int = 8  # per worker
     index_cache_bytes: int = 64 << 20  # per worker and dataset: shard indexes kept (least recently used dropped)
     verify: str = "size"  # or "sha256": each local shard's content checked once per loader
@@ -67,12 +71,16 @@ class LoaderConfig:
             object.__setattr__(self, "retry", Retry())
         for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1),
                           ("unit_cache_bytes", 0), ("read_ahead", 0), ("read_threads", 1),
-                          ("index_cache_bytes", 0)):
+                          ("index_cache_bytes", 0), ("read_ahead_bytes", 0)):
             _at_least(name, getattr(self, name), low)
         if not isinstance(self.prefetch_factor, int) or isinstance(self.prefetch_factor, bool) or self.prefetch_factor < 1:
             raise ValueError("prefetch_factor must be an int >= 1 (batches each worker prepares ahead), "
                              f"got {self.prefetch_factor!r}")
         shuffle_name(self.shuffle)
+        amplification = self.read_amplification
+        if isinstance(amplification, bool) or not isinstance(amplification, (int, float)) or not amplification >= 1:
+            raise ValueError(f"read_amplification must be a number >= 1 (bytes a span may read per byte of the samples "
+                             f"it serves), got {amplification!r}")
         if self.verify not in ("size", "sha256"):
             raise ValueError(f"verify must be 'size' or 'sha256', got {self.verify!r}")
         if self.on_error not in ("raise", "skip"):

@@ -10,6 +10,7 @@ import collections
 import concurrent.futures
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,10 +22,11 @@ from pipeline.errors import ShardError
 from pipeline.format import ShardIndex, ShardInfo
 from pipeline.index import SplitIndex, Where
 from pipeline.stats import Clock
-from pipeline.storage import ShardCache, ShardReader, release_pages, shard_url
+from pipeline.storage import ShardCache, ShardReader, is_local, release_pages, shard_url
+from pipeline.storage.retry import describe
 from pipeline.tario import BLOCK, parse_sample
 
-__all__ = ["MEMBER_GAP", "Opened", "ProcessReaders", "SampleReads", "member_ranges"]
+__all__ = ["MEMBER_GAP", "Opened", "ProcessReaders", "SampleReads", "member_ranges", "merge_spans"]
 
 Open = Callable[[dict[str, Any], str, str, int], Any]  # (members, url, key, units) -> an opened sample
 Members = list[tuple[str, int, int]]  # (extension, header offset, data bytes) of each, in shard order
@@ -46,6 +48,25 @@ def member_ranges(members: Members, gap: int = MEMBER_GAP) -> list[tuple[int, in
         else:
             ranges.append((start, end, [member]))
     return ranges
+
+
+def merge_spans(ranges: Sequence[tuple[int, int]], amplification: float) -> list[tuple[int, int, list[int]]]:
+    """Byte ranges [start, end) of one shard (disjoint) merged into spans, each (start, end, the numbers
+    of the ranges it covers), in order of start: a range joins the span before it while the span
+    stays within `amplification` times the bytes of the ranges it serves."""
+    spans: list[tuple[int, int, list[int]]] = []
+    used = 0
+    for number in sorted(range(len(ranges)), key=lambda n: ranges[n][0]):
+        start, end = ranges[number]
+        if spans:
+            first, last, members = spans[-1]
+            if max(last, end) - first <= amplification * (used + end - start):
+                spans[-1] = (first, max(last, end), [*members, number])
+                used += end - start
+                continue
+        spans.append((start, end, [number]))
+        used = end - start
+    return spans
 
 
 class Opened(collections.OrderedDict[Where, tuple[Any, int, str, str]]):
@@ -108,7 +129,11 @@ class ProcessReaders:
 class SampleReads:
     """One iteration's reads: each sample's bytes asked for once (`ahead`), in `read_threads` threads,
     with its shard's size checked beside the first one; `take` waits for a sample and opens it (the
-    time of each on `clock`: "read", "open")."""
+    time of each on `clock`: "read", "open").
+
+    From object storage (with `read_ahead_bytes`), the samples asked for together are read by
+    shard in merged byte spans (`merge_spans`): one request serves many samples. Local shards are
+    mapped, so each sample is a view of its own."""
 
     def __init__(self, sources: Sequence[SplitIndex], readers: list[ShardReader], opened: Opened,
                  config: LoaderConfig, open: Open, clock: Clock | None = None) -> None:
@@ -118,6 +143,8 @@ class SampleReads:
         self.sized: dict[tuple[int, int], concurrent.futures.Future[None]] = {}  # shards' size checks
         self.inflight: dict[Where, concurrent.futures.Future[list[tuple[int, bytes | memoryview, Members | None]]]] = {}
         self.taken: dict[Where, list[bytes | memoryview]] = {}  # taken and not kept open: released when `done`
+        self.amplification = config.read_amplification
+        self.spanned = [config.read_ahead_bytes > 0 and not is_local(r.fs) for r in readers]  # by source
 
     def close(self) -> None:
         if not sys.is_finalizing():  # (an iterator left open at exit: the interpreter ends the threads itself)
@@ -133,20 +160,34 @@ class SampleReads:
         return {i: reader.index(source.split[i]).unit_starts for i in shards}
 
     def ahead(self, wheres: list[Where]) -> None:
-        """Ask for these samples' bytes, but for those open or asked for already."""
-        for where in wheres:
-            if where not in self.opened and where not in self.inflight:
+        """Ask for these samples' bytes, but for those open or asked for already; from object storage,
+        those of one shard together (`_read_spans`)."""
+        by_shard: dict[tuple[int, int], list[Where]] = {}
+        for where in dict.fromkeys(wheres):
+            if where in self.opened or where in self.inflight:
+                continue
+            if not self.spanned[where[0]]:
                 self._submit(where)
+                continue
+            shard = self._check(where)
+            by_shard.setdefault((where[0], shard), []).append(where)
+        for group in by_shard.values():
+            futures = [concurrent.futures.Future() for _ in group]
+            self.inflight.update(zip(group, futures))
+            self.pool.submit(self._read_spans, group, futures)
+
+    def _check(self, where: Where) -> int:
+        """The sample's shard, its size checked the first time in this iteration: a shard replaced or cut
+        since packing is named at once (the cache checks cached shards' SHA-256 instead)."""
+        number, sample = where
+        shard, _ = self.sources[number].where(sample)
+        if self.readers[number].cache is None and (number, shard) not in self.sized:
+            self.sized[(number, shard)] = self.pool.submit(self._check_size, number, sample)
+        return shard
 
     def _submit(self, where: Where) -> None:
-        """Ask for a sample's bytes and, the first time in this iteration, beside them for its shard's
-        size: a shard replaced or cut since packing is named at once (the cache checks cached shards'
-        SHA-256 instead)."""
-        number, sample = where
-        reader = self.readers[number]
-        shard, _ = self.sources[number].where(sample)
-        if reader.cache is None and (number, shard) not in self.sized:
-            self.sized[(number, shard)] = self.pool.submit(self._check_size, number, sample)
+        """Ask for one sample's bytes (and for its shard's size: `_check`)."""
+        self._check(where)
         self.inflight[where] = self.pool.submit(self._read, where)
 
     def _sample(self, where: Where) -> tuple[int, ShardInfo, ShardIndex, int]:
@@ -163,9 +204,9 @@ class SampleReads:
             raise ShardError(shard_url(self.sources[number].root, info.name), f"sample {index.key(at)!r}: shard is {size} "
                              f"bytes, the manifest says {info.bytes}")
 
-    def _read(self, where: Where) -> list[tuple[int, bytes | memoryview, Members | None]]:
-        """One sample's bytes (in a reader thread): a range per run of its members (`member_ranges`),
-        each (start, bytes, its members: None for an index without members, then one range)."""
+    def _ranges(self, where: Where) -> tuple[ShardInfo, str, list[tuple[int, int, Members | None]]]:
+        """(the shard, the sample's key, the byte ranges that read it: a range per run of its members
+        (`member_ranges`), each with its members, or None for an index without members, then one range)."""
         _, info, index, at = self._sample(where)
         key, url = index.key(at), shard_url(self.sources[where[0]].root, info.name)
         members = index.sample_members(at) if index.members is not None else None
@@ -176,9 +217,64 @@ class SampleReads:
         if size > self.limits.max_sample_bytes:
             raise ShardError(url, f"sample {key!r} spans {size} bytes, more than max_sample_bytes="
                              f"{self.limits.max_sample_bytes}")
+        return info, key, ranges
+
+    def _read(self, where: Where) -> list[tuple[int, bytes | memoryview, Members | None]]:
+        """One sample's bytes (in a reader thread), a request per range: (start, bytes, its members) each."""
+        info, key, ranges = self._ranges(where)
         reader = self.readers[where[0]]
         return [(start, reader.read(info.name, info.bytes, info.sha256, start, end, key), group)
                 for start, end, group in ranges]
+
+    def _read_spans(self, wheres: list[Where], futures: list[concurrent.futures.Future]) -> None:
+        """Samples of one shard (in a reader thread): their ranges merged into spans (`merge_spans`),
+        each read by one request in a thread of its own, each sample's future set once all its ranges
+        arrived. A span that fails fails each of its samples, by its own key, with the span's error."""
+        try:
+            _, info, _, _ = self._sample(wheres[0])  # (the shard's index, fetched once for all)
+        except Exception as exc:
+            for future in futures:
+                future.set_exception(exc)
+            return
+        wanted: list[tuple[ShardInfo, str, list[tuple[int, int, Members | None]]]] = []
+        items = []  # (sample, range number, range) of each range of each sample whose ranges pass the checks
+        for i, (where, future) in enumerate(zip(wheres, futures)):
+            try:
+                wanted.append(self._ranges(where))
+            except Exception as exc:
+                future.set_exception(exc)
+                wanted.append((None, "", []))  # type: ignore[arg-type]
+            items += [(i, j, r) for j, r in enumerate(wanted[-1][2])]
+        pieces: list[list[Any]] = [[None] * len(ranges) for _, _, ranges in wanted]
+        left = [len(ranges) for _, _, ranges in wanted]
+        lock = threading.Lock()
+        reader, url = self.readers[wheres[0][0]], shard_url(self.sources[wheres[0][0]].root, info.name)
+
+        def read(first: int, last: int, members: list[int]) -> None:
+            samples = list(dict.fromkeys(items[m][0] for m in members))
+            try:
+                data = memoryview(reader.read(info.name, info.bytes, info.sha256, first, last, None))  # type: ignore[arg-type]
+            except Exception as exc:
+                for i in samples:
+                    with lock:
+                        first_failure, left[i] = left[i] >= 0, -1  # (its other spans then set nothing)
+                    if first_failure:
+                        error = ShardError(url, f"sample {wanted[i][1]!r}: "
+                                           f"{exc.message if isinstance(exc, ShardError) else describe(exc)}")
+                        error.__cause__ = exc
+                        futures[i].set_exception(error)
+                return
+            for m in members:
+                i, j, (start, end, group) = items[m]
+                pieces[i][j] = (start, data[start - first : end - first], group)
+                with lock:
+                    left[i] -= 1
+                    done = left[i] == 0
+                if done:
+                    futures[i].set_result(pieces[i])
+
+        for first, last, members in merge_spans([r[:2] for _, _, r in items], self.amplification):
+            self.pool.submit(read, first, last, members)
 
     def take(self, where: Where) -> tuple[Any, str, str]:
         """(the opened sample, its shard's URL, its key); a sample of several units is opened once and

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import traceback
 from collections.abc import Iterator, Sequence
@@ -129,10 +130,16 @@ class ShardStream(IterableDataset):
         readers, opened = self.readers.get()
         reads = SampleReads(self.sources, readers, opened, cfg, self._open, clock)
         prepared: dict[int, list[tuple[Where, Any]]] = {}
+        chunks = self._chunks(len(plan), any(reads.spanned))
+        asked, last = 0, 0  # batches asked for; the first batch of the last chunk asked for
         try:
             for i, (batch, _, _) in enumerate(plan):
-                for later in range(i + cfg.read_ahead if i else 0, min(i + 1 + cfg.read_ahead, len(plan))):
-                    wheres, prepared[later] = self._prepare(reads, *plan[later][1:])
+                while asked < len(plan) and (asked <= i + cfg.read_ahead or (chunks and cfg.read_ahead and i >= last)):
+                    last, wheres = asked, []
+                    for later in range(asked, min(asked + (next(chunks) if chunks else 1), len(plan))):
+                        more, prepared[later] = self._prepare(reads, *plan[later][1:])
+                        wheres += more
+                        asked += 1
                     reads.ahead(wheres)
                 pieces, lost = self._decode(reads, prepared.pop(i), epoch, world.worker, budget, clock)
                 if not pieces:
@@ -149,6 +156,18 @@ class ShardStream(IterableDataset):
             reads.settle()
         finally:
             reads.close()
+
+    def _chunks(self, batches: int, spanned: bool) -> Iterator[int] | None:
+        """From object storage: how many batches each request for reads covers, so that spans merge many
+        samples: 1, 2, 4, ... (the first batch waits for its own samples only), up to what fits twice
+        (one chunk in use, the next in flight) in `read_ahead_bytes` after `read_amplification`,
+        by the sources' mean bytes per item. None: one batch at a time, `read_ahead` ahead."""
+        if not spanned:
+            return None
+        cfg = self.config
+        item = sum(int(s.split.shard_bytes.sum()) for s in self.sources) / max(1, sum(int(s.sizes.sum()) for s in self.sources))
+        most = max(1, int(cfg.read_ahead_bytes / (2 * cfg.read_amplification * cfg.batch_size * max(item, 1))))
+        return (min(1 << min(n, 62), most, batches) for n in itertools.count())
 
     def _open(self, members: dict[str, Any], url: str, key: str, units: int) -> Any:
         return self.kind.open(members, url=url, key=key, units=units)

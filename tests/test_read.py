@@ -11,7 +11,7 @@ import pytest
 from pipeline import LoaderConfig, ShardError
 from pipeline.format import EMB_DATA, EMB_TABLE
 from pipeline.index import SplitIndex
-from pipeline.read import Opened, ProcessReaders, SampleReads
+from pipeline.read import Opened, ProcessReaders, SampleReads, merge_spans
 from pipeline.storage import read_manifest
 from pipeline.tario import ReadLimits
 from shard_tools.embeddings import pack_embeddings
@@ -72,3 +72,27 @@ def test_open_samples_are_dropped_past_their_bytes():
         if i == 2:
             assert list(opened) == [(0, 1), (0, 2)] and opened.held == 8
     assert list(opened) == [(0, 3)] and opened.held == 20  # the newest stays, whatever its size
+
+
+def test_merge_spans_joins_neighbours_within_the_amplification_bound():
+    ranges = [(300, 400), (0, 100), (100, 200), (1000, 1100)]  # (given out of order)
+    assert merge_spans(ranges, 1.0) == [(0, 200, [1, 2]), (300, 400, [0]), (1000, 1100, [3])]
+    assert merge_spans(ranges, 2.0) == [(0, 400, [1, 2, 0]), (1000, 1100, [3])]  # 400 bytes for 300 used
+    assert merge_spans(ranges, 11.0) == [(0, 1100, [1, 2, 0, 3])]
+    assert merge_spans([], 2.0) == []
+
+
+@pytest.mark.parametrize("amplification", [1.0, 1.5, 2.0, 4.0])
+def test_merge_spans_covers_every_range_once_and_keeps_its_bound(amplification):
+    rng = np.random.default_rng(int(amplification * 10))
+    for _ in range(200):
+        edges = np.sort(rng.choice(10_000, size=2 * rng.integers(1, 30), replace=False))
+        ranges = [(int(a), int(b)) for a, b in edges.reshape(-1, 2)]
+        rng.shuffle(ranges)
+        spans = merge_spans(ranges, amplification)
+        assert sorted(n for _, _, members in spans for n in members) == list(range(len(ranges)))
+        for first, last, members in spans:
+            used = sum(ranges[n][1] - ranges[n][0] for n in members)
+            assert all(first <= ranges[n][0] and ranges[n][1] <= last for n in members)
+            assert last - first <= amplification * used
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint, in order
