@@ -231,10 +231,11 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
                 if header.startswith(magic):
                     raise ShardError(url, f"{name}-compressed archive; only uncompressed tar archives are indexed")
         if len(header) < BLOCK:
-            raise ShardError(url, f"truncated tar header at byte {pos}")
+            raise ShardError(url, f"not a tar archive: {len(header)} bytes, less than a tar header" if pos == 0
+                             else f"truncated tar header at byte {pos}")
         if header == b"\0" * BLOCK:
             return
-        size = _header_size(header, url, pos, "", " (not a tar archive?)")
+        size = _header_size(header, url, pos, "not a tar archive: " if pos == 0 else "")
         kind, padded = header[156:157], size + (-size % BLOCK)
         name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
         if kind in (b"x", b"g", b"L", b"K"):

@@ -3,11 +3,13 @@ place (`index sa1b`, `index webdataset`), read them back (`inspect`, `verify`), 
 them as the loader reads them (`tune`, `preview`), and bring older
 datasets to the current schema (`upgrade`).
 
-Exit codes: 0 done; 1 the data has problems (too many skipped inputs, embeddings input that fails
-its checks, an archive `index` cannot read, `verify` findings); 2 the command cannot run as asked (bad arguments, output folder
-holding something else); 3 the run failed on its environment (disk full, an I/O error, a worker
-process killed; for `tune`, a measuring process that failed): the finished shards are kept, and
-the same command run again finishes the pack.
+Exit codes: 0 done; 1 the data has problems (no sample to pack or index, too many skipped inputs,
+an input that is not what it says: a `.tar` that is not a tar archive, annotations that are not
+JSON, embeddings input that fails its checks; `verify` findings); 2 the command cannot run as asked
+(bad arguments, a missing input, an output folder holding something else); 3 the run failed on its
+environment (disk full, an I/O error, a worker process killed; for `tune`, a measuring process that
+failed): the finished shards are kept, and the same command run again finishes the pack. A
+command refused, or ended before it finished a shard, leaves nothing behind.
 """
 
 from __future__ import annotations

@@ -282,8 +282,9 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     manifest, written last and atomically; nothing else). Raises PackError if `out` holds a dataset
     that was not indexed in place, TooManySkipped past `max_skipped` (as soon as an archive takes
     the count past it), and InputError naming the archive when one is missing or cannot be read as
-    an uncompressed tar; what the run wrote is removed then. Each archive's samples are written to
-    its index files as it comes: memory grows with archives, and by 16 bytes a key (`SeenKeys`)."""
+    an uncompressed tar, or naming the input when it holds no archive or no sample. What the run
+    wrote is removed then. Each archive's samples are written to its index files as it comes:
+    memory grows with archives, and by 16 bytes a key (`SeenKeys`)."""
     if kind not in _KINDS:
         raise ValueError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_KINDS)}")
     PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped)  # (checks them as packing does)
@@ -292,6 +293,8 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     out_url = base if is_local(fs) else fs.unstrip_protocol(base)
     earlier = _check_out(fs, base, out, storage_options)
     urls = _archives(sources, storage_options)
+    if not urls:
+        raise InputError(", ".join(sources), "no .tar archives: nothing to index")
     made = is_local(fs) and not fs.exists(base)
     if is_local(fs):
         fs.makedirs(base, exist_ok=True)
@@ -416,7 +419,8 @@ def _index(kind: str, urls: list[str], names: list[str], workers: int, storage_o
         bar.close()
     if not len(keys):
         why = f" ({len(skipped)} skipped, the first: {skipped[0]['reason']})" if skipped else ""
-        raise PackError(f"no sample found in {len(urls)} archives, {urls[0]}...{why}: nothing to index")
+        more = f" and {len(urls) - 1} more archives" if len(urls) > 1 else ""
+        raise InputError(f"{urls[0]}{more}", f"no {kind} samples{why}: nothing to index")
     skipped.sort(key=lambda s: (s["key"], s["source"]))
     options = {"splits": [list(s) for s in splits]}
     fingerprint = hashlib.sha256(json.dumps([kind, options, names, archives]).encode())

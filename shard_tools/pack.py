@@ -9,7 +9,8 @@ The manifest is written last (atomically) and lists only finished shards. OUT is
 or any fsspec URL (`s3://bucket/prefix`; credentials from the environment, as s3fs reads them).
 
 Tasks run in-process (`workers=1`), in a local process pool, or on a Dask cluster (`dask=`):
-the output is the same bytes in every case.
+the output is the same bytes in every case. A run refused, or ended before it finished a shard,
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from pipeline.errors import PackError, SampleError, TooManySkipped
+from pipeline.errors import InputError, PackError, SampleError, TooManySkipped
 from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name, shard_name
 from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import ShardWriter
@@ -281,13 +282,18 @@ def pack(
 ) -> PackSummary:
     """Pack `sources` into shards + manifest at `out`; resumes an interrupted run of the same pack.
 
-    Raises PackError if `out` holds another dataset or an unfinished pack of other inputs, or if
-    more than `options.max_skipped` samples are skipped (the shards are kept and the manifest is
-    not written; run again with a higher limit to finish without redoing them).
+    Raises InputError if the sources hold no sample; PackError if `out` holds another dataset or
+    an unfinished pack of other inputs, or if more than `options.max_skipped` samples are skipped
+    (the shards are kept and the manifest is not written; run again with a higher limit to finish
+    without redoing them). A run refused, or ended before it finished a shard, leaves nothing
+    behind (no `_pack/` record of it, no OUT it made).
     `on_shard(name)` is called after each shard is finished (the tests interrupt packs with it).
     """
     started = time.monotonic()
     refs, skipped = source.index(sources)
+    if not refs:
+        first = f"; the first: {skipped[0]['reason']}" if skipped else ""
+        raise InputError(", ".join(sources), f"no {source.kind} samples to pack ({len(skipped)} inputs skipped{first})")
     stored_options = {
         "kind_options": source.options(),
         "shard_samples": options.shard_samples,
@@ -303,22 +309,9 @@ def pack(
             raise PackError(f"{out} already holds a dataset packed from other inputs or options; use a new folder")
         log.info("%s is already complete (same inputs and options): nothing to do", out)
         return _summary(existing, 0, time.monotonic() - started)
-    if is_local(fs):
-        fs.makedirs(state, exist_ok=True)  # (object storage has no folders; a missing bucket fails below)
-    stamp = join(state, "fingerprint")
-    if _exists(fs, stamp):
-        if fs.cat_file(stamp).decode().strip() != fingerprint:
-            raise PackError(f"{out} holds an unfinished pack of other inputs or options; remove it or use a new folder")
-    elif _exists(fs, base) and any(posixpath.basename(p.rstrip("/")) != STATE_DIR for p in fs.ls(base, detail=False)):
-        raise PackError(f"{out} is not empty and holds no pack of these inputs; use a new or empty folder")
-    else:
-        try:
-            write_bytes(fs, stamp, fingerprint.encode())
-        except (FileNotFoundError, PermissionError) as exc:
-            raise PackError(f"cannot write to {out}: {type(exc).__name__}: {exc} (does the bucket exist? are the "
-                            "credentials allowed to write?)") from exc
-
     tasks = _plan(refs, options)
+    made = _start(fs, base, out, fingerprint)
+
     records: dict[str, dict[str, Any]] = {}
     for task in tasks:
         record_path = join(state, task.name + ".json")
@@ -335,6 +328,10 @@ def pack(
             bar.update(len(task.refs))
             if on_shard is not None:
                 on_shard(task.name)
+    except BaseException:
+        if made is not None:
+            _unstart(fs, base, made)
+        raise
     finally:
         bar.close()
 
@@ -363,6 +360,53 @@ def pack(
     summary = _summary(manifest, reused, time.monotonic() - started)
     summary.counts = counts
     return summary
+
+
+def _holds_more_than_state(fs: Any, base: str) -> bool:
+    """OUT holds something besides `_pack/` (listed afresh: workers write shards from other processes)."""
+    return _exists(fs, base) and any(posixpath.basename(p.rstrip("/")) != STATE_DIR
+                                     for p in fs.ls(base, detail=False, refresh=True))
+
+
+def _start(fs: Any, base: str, out: str, fingerprint: str) -> list[str] | None:
+    """Check that OUT may take this pack and mark it as this pack's (`_pack/fingerprint`). None when
+    resuming an unfinished pack of the same inputs; else the folders made for it, outermost first."""
+    state = join(base, STATE_DIR)
+    stamp = join(state, "fingerprint")
+    if _exists(fs, stamp):
+        if fs.cat_file(stamp).decode().strip() != fingerprint:
+            raise PackError(f"{out} holds an unfinished pack of other inputs or options; remove it or use a new folder")
+        return None
+    if _holds_more_than_state(fs, base):
+        raise PackError(f"{out} is not empty and holds no pack of these inputs; use a new or empty folder")
+    made: list[str] = []
+    path = state
+    while is_local(fs) and not fs.exists(path):  # (object storage has no folders; a missing bucket fails below)
+        made.insert(0, path)
+        path = posixpath.dirname(path)
+    try:
+        for path in made:
+            fs.mkdir(path, create_parents=False)
+        write_bytes(fs, stamp, fingerprint.encode())
+    except BaseException as exc:
+        _unstart(fs, base, made)
+        if isinstance(exc, (FileNotFoundError, PermissionError)):
+            raise PackError(f"cannot write to {out}: {type(exc).__name__}: {exc} (does the bucket exist? are the "
+                            "credentials allowed to write?)") from exc
+        raise
+    return made
+
+
+def _unstart(fs: Any, base: str, made: list[str]) -> None:
+    """After a run that `_start` marked ends early: its fingerprint and the folders it made removed,
+    unless OUT holds more (a shard, or a writer's debris: the next run goes on from there)."""
+    if _holds_more_than_state(fs, base):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(join(join(base, STATE_DIR), "fingerprint"))
+    for path in reversed(made):
+        with contextlib.suppress(OSError):  # (not made, or not empty: kept)
+            fs.rmdir(path)
 
 
 def _shard_info(record: dict[str, Any]) -> ShardInfo:

@@ -7,6 +7,7 @@ original geometry and RLE, and the loader maps both into the same frame (see `pi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import logging
@@ -17,7 +18,7 @@ from typing import Any
 
 from PIL import Image
 
-from pipeline.errors import SampleError
+from pipeline.errors import InputError, SampleError
 from pipeline.format import SA1B_ANN, SA1B_JPG, check_key, pack_record, parse_json
 from pipeline.rle import fit
 from pipeline.kinds.sa1b import annotation_record
@@ -56,7 +57,8 @@ class Sa1bSource:
     # -- listing ---------------------------------------------------------------------------------
 
     def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
-        """All complete pairs sorted by key, and the inputs skipped (unpaired, duplicate, bad name)."""
+        """All complete pairs sorted by key, and the inputs skipped (unpaired, duplicate, bad name);
+        InputError, saying what was found, if there is no pair."""
         found: dict[str, dict[str, Part]] = {}
         skipped: list[dict[str, str]] = []
         ignored = 0
@@ -87,6 +89,12 @@ class Sa1bSource:
                 skipped.append({"source": part.name, "key": key, "reason": f"{part.name}: no {missing} for key {key!r}"})
                 continue
             refs.append(SampleRef(key, tuple((role, entry[role]) for role in _ROLES)))
+        if not refs:
+            lone = collections.Counter(role for entry in found.values() if len(entry) == 1 for role in entry)
+            seen = [f"{lone['jpg']} JPEGs without their JSON", f"{lone['json']} JSONs without their JPEG",
+                    f"{len(skipped) - lone.total()} files with a bad name or a duplicate key", f"{ignored} other files"]
+            raise InputError(", ".join(sources), "no SA-1B samples (sa_<id>.jpg with its sa_<id>.json): found "
+                             + (", ".join(s for s in seen if not s.startswith("0 ")) or "no files"))
         return refs, skipped
 
     def _parts(self, sources: Sequence[str]):  # -> Iterator[tuple[str, str, Part]]
@@ -107,14 +115,17 @@ class Sa1bSource:
     @staticmethod
     def _archive(fs: Any, path: str, name: str):  # -> Iterator[tuple[str, str, Part]]
         url = fs.unstrip_protocol(path)
+        members = 0
         try:
             with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as archive:
                 for member in archive:
+                    members += 1
                     if member.isfile():
                         key, ext = _member_key(member.name)
                         yield key, ext, Part(url, member.offset_data, member.size, f"{name}:{member.name}")
         except tarfile.TarError as exc:
-            raise OSError(f"{url}: not a readable tar archive: {exc}") from exc
+            what = f"a damaged tar archive after {members} members" if members else "not a tar archive"
+            raise InputError(url, f"{what} ({exc}); only uncompressed .tar archives are read") from exc
 
     # -- encoding --------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 from PIL import Image, UnidentifiedImageError
 
-from pipeline.errors import SampleError
+from pipeline.errors import InputError, SampleError
 from pipeline.format import VQA_IMAGE_EXTS, VQA_RECORD, check_key, pack_record
 from pipeline.images import MAX_IMAGE_PIXELS
 from pipeline.rle import fit
@@ -152,7 +152,8 @@ def _records_text(places: Sequence[str]) -> str:
 
 
 def _load(file: str) -> list[Any]:
-    """The file's records (a JSON list, or JSON Lines for .jsonl); PackError if it cannot be read as such."""
+    """The file's records (a JSON list, or JSON Lines for .jsonl); PackError if it cannot be read,
+    InputError if it is not such JSON."""
     fs, path = filesystem(file)
     try:
         data = fs.cat_file(path)
@@ -170,9 +171,9 @@ def _load(file: str) -> list[Any]:
     try:
         records = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise PackError(f"{file}: not valid JSON: {exc}"[:300]) from exc
+        raise InputError(file, f"not valid JSON: {exc}"[:300]) from exc
     if not isinstance(records, list):
-        raise PackError(f"{file}: holds a JSON {type(records).__name__}, want a list of records (or JSON Lines in .jsonl)")
+        raise InputError(file, f"holds a JSON {type(records).__name__}, want a list of records (or JSON Lines in .jsonl)")
     return records
 
 
@@ -273,7 +274,7 @@ class VqaSource:
         for split, file in self.splits:
             records = _load(file)
             if not records:
-                raise PackError(f"{file}: no records")
+                raise InputError(file, "no records: nothing to pack")
             layout = forced or detect_layout(records, file)
             good, first_problem = 0, ""
             for i, record in enumerate(records):
