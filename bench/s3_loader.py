@@ -7,11 +7,15 @@ The shards of `bench/sa1b_loader.py` are uploaded to a SeaweedFS server started 
 the machine hits them alike, each with a fresh loader per epoch (num_workers=2, batch 8, image
 1024, masks 256, max 64):
   local      the folder on local disk
-  s3         s3://bucket/sa1b by byte range, no cache
+  s3         s3://bucket/sa1b by byte range, no cache: samples of a shard read ahead in merged spans
+  s3 1/smp   the same, one request per sample (read_ahead_bytes=0): the reference for spans
   s3 cold    with cache_dir/cache_limit, the cache emptied before the epoch
   s3 warm    the same cache, filled by an earlier epoch
 Time to first batch runs from `make_stream_loader()` to the first batch in hand (worker start
-included); samples/s from the first batch to the end of the epoch. Medians over the rounds.
+included); samples/s from the first batch to the end of the epoch; CPU ms per sample of this
+process and its DataLoader workers together (the server's not included). Medians over the rounds.
+Then one untimed epoch of each s3 way through a recording proxy: requests per sample and bytes
+read per byte of sample used (the server's HEAD and index requests included).
 Then `shard-pack verify` of the dataset from local disk and from s3:// (each shard streamed once
 into a temporary file, its samples checked from there), once each.
 """
@@ -21,32 +25,43 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import resource
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
 from sa1b_loader import SETTINGS, prepare  # (bench/ is on the path of a script run from it)
 
 from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+from objectstore import FaultProxy  # noqa: E402  (the tests' recording proxy)
 from shard_tools.verify import verify
 
 os.environ["AWS_EC2_METADATA_DISABLED"] = AWS_ENV["AWS_EC2_METADATA_DISABLED"]
 
 
-def epoch(source: str, workers: int, **kwargs) -> tuple[float, float]:
-    """(seconds to the first batch, samples/s after it) of one epoch of a fresh loader."""
+def _cpu() -> float:
+    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+
+def epoch(source: str, workers: int, **kwargs) -> tuple[float, float, float]:
+    """(seconds to the first batch, samples/s after it, CPU ms per sample) of one epoch of a fresh loader."""
     from pipeline import make_stream_loader
 
-    start = time.perf_counter()
+    cpu, start = _cpu(), time.perf_counter()
     loader = make_stream_loader(source, "train", num_workers=workers, seed=0, **SETTINGS, **kwargs)
     it = iter(loader)
     first = next(it)
     ready = time.perf_counter()
     n = sum(len(batch["keys"]) for batch in it)
     end = time.perf_counter()
-    del first, it, loader
-    return ready - start, n / (end - ready)
+    n += len(first["keys"])
+    del first, it, loader  # (the workers end and are waited for: their CPU counts)
+    return ready - start, (n - SETTINGS["batch_size"]) / (end - ready), 1000 * (_cpu() - cpu) / n
 
 
 def main() -> None:
@@ -71,20 +86,34 @@ def main() -> None:
         print(f"data: {args.images} images at 1500x2250 in {len(list(shards.glob('*.tar')))} shards "
               f"({size / 1e6:.0f} MB), uploaded to {server.endpoint}; settings {SETTINGS}, num_workers={args.workers}")
         remote, cache = "s3://bench/sa1b", work / "cache"
-        ways = {
-            "local": lambda: epoch(str(shards), args.workers),
-            "s3": lambda: epoch(remote, args.workers, storage_options=options),
-            "s3 cold": lambda: (shutil.rmtree(cache, ignore_errors=True),
-                                epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
-                                      cache_limit=4 * size))[1],
-            "s3 warm": lambda: epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
-                                     cache_limit=4 * size),
-        }
+
+        def ways(options: dict) -> dict:
+            return {
+                "local": lambda: epoch(str(shards), args.workers),
+                "s3": lambda: epoch(remote, args.workers, storage_options=options),
+                "s3 1/smp": lambda: epoch(remote, args.workers, storage_options=options, read_ahead_bytes=0),
+                "s3 cold": lambda: (shutil.rmtree(cache, ignore_errors=True),
+                                    epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
+                                          cache_limit=4 * size))[1],
+                "s3 warm": lambda: epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
+                                         cache_limit=4 * size),
+            }
+
         epoch(str(shards), args.workers)  # warm-up: page cache, imports
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
+        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways(options)}
         for _ in range(args.repeats):
-            for name, run in ways.items():
+            for name, run in ways(options).items():
                 results[name].append(run())
+        proxy = FaultProxy(server.s3_port)
+        used = sum(e - s for p in shards.glob("*.tar") for s, e in _sample_spans(shards, p.name))
+        samples = sum(1 for p in shards.glob("*.tar") for _ in _sample_spans(shards, p.name))
+        shapes = {}
+        for name, run in ways(storage_options(proxy.endpoint)).items():
+            if name != "local":
+                proxy.clear()
+                run()
+                shapes[name] = (len(proxy.requests) / samples, sum(r.response_bytes for r in proxy.gets()) / used)
+        proxy.close()
         verified = {}
         for name, source, options_ in (("local", str(shards), None), ("s3", remote, options)):
             start = time.perf_counter()
@@ -94,13 +123,26 @@ def main() -> None:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    local_first, local_rate = (statistics.median(x[i] for x in results["local"]) for i in (0, 1))
-    print(f"{'way':<10}{'first batch s':>15}{'x local':>9}{'samples/s':>11}{'of local':>10}")
+    local = [statistics.median(x[i] for x in results["local"]) for i in range(3)]
+    print(f"{'way':<10}{'first batch s':>15}{'x local':>9}{'samples/s':>11}{'of local':>10}{'CPU ms/smp':>12}"
+          f"{'x local':>9}{'requests/smp':>14}{'read/used':>11}")
     for name, runs in results.items():
-        first, rate = (statistics.median(x[i] for x in runs) for i in (0, 1))
-        print(f"{name:<10}{first:>15.2f}{first / local_first:>9.2f}{rate:>11.1f}{rate / local_rate:>10.0%}")
-    print("targets: samples/s >= 80% of local; time to first batch <= 2x local")
+        first, rate, cpu = (statistics.median(x[i] for x in runs) for i in range(3))
+        requests, amplification = shapes.get(name, (0.0, 0.0))
+        print(f"{name:<10}{first:>15.2f}{first / local[0]:>9.2f}{rate:>11.1f}{rate / local[1]:>10.0%}{cpu:>12.1f}"
+              f"{cpu / local[2]:>9.2f}{requests:>14.3f}{amplification:>11.2f}")
+    print("targets: s3 and s3 cold samples/s >= 85% of local, CPU <= 1.15x local; first batch <= 1.5x local; "
+          "requests/sample <= 1/8")
     print(f"shard-pack verify (every sample decoded): local {verified['local']}, s3 {verified['s3']}")
+
+
+def _sample_spans(shards: pathlib.Path, name: str) -> list[tuple[int, int]]:
+    """Byte spans of a shard's samples (from its index file)."""
+    from pipeline.storage import read_manifest, shard_indexes
+
+    manifest = read_manifest(str(shards))
+    return [tuple(map(int, index.spans[i])) for shard, index in shard_indexes(str(shards), manifest, "train")
+            if shard.name == name for i in range(len(index.key_list()))]
 
 
 if __name__ == "__main__":
