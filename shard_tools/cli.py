@@ -8,8 +8,9 @@ an input that is not what it says: a `.tar` that is not a tar archive, annotatio
 JSON, embeddings input that fails its checks; `verify` findings); 2 the command cannot run as asked
 (bad arguments, a missing input, an output folder holding something else); 3 the run failed on its
 environment (disk full, an I/O error, a worker process killed; for `tune`, a measuring process that
-failed): the finished shards are kept, and the same command run again finishes the pack. A
-command refused, or ended before it finished a shard, leaves nothing behind.
+failed): the finished shards are kept, and the same command run again finishes the pack; 130
+interrupted (Ctrl-C): a pack's finished shards are kept and the same command resumes it. A command
+refused, or ended before it finished a shard, leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -279,6 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = "a packing worker process died (killed, or out of memory?)" if isinstance(exc, BrokenProcessPool) else exc
         log.error("shard-pack: %s; the finished shards are kept: fix that, then run the same command again", what)
         return 3
+    except KeyboardInterrupt as exc:  # (Interrupted, from pack and index, says how far they got)
+        log.error("shard-pack: %s", str(exc) or "interrupted")
+        return 130
     return 0
 
 

@@ -15,14 +15,11 @@ A key already seen (in an earlier archive, or earlier in the same one) is skippe
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
-import multiprocessing
-import os
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +32,7 @@ from pipeline.format import (MANIFEST_NAME, SA1B_JPG, SA1B_JSON, WEBDATASET, Ind
                              check_ext, check_key, check_shard_name)
 from pipeline.storage import filesystem, is_local, join, read_manifest, write_bytes
 from pipeline.tario import BLOCK, ArchiveMember, ReadLimits, scan_archive
-from shard_tools.pack import PackOptions, Progress, exit_with_parent, split_of
+from shard_tools.pack import Interrupted, PackOptions, Progress, pool_tick, split_of, worker_pool
 from shard_tools.sa1b import check_pair
 
 __all__ = ["IndexSummary", "index_archives", "index_sa1b", "index_webdataset"]
@@ -219,14 +216,18 @@ _KINDS: dict[str, tuple[Callable[..., list[tuple[str, _Members]]], Callable[[str
 }
 
 
-def _scan(kind: str, url: str, storage_options: dict[str, Any] | None) -> _Scanned:
-    """Read one archive front to back once: its samples, skipped inputs, SHA-256 and size."""
+def _scan(kind: str, url: str, storage_options: dict[str, Any] | None,
+          check: Callable[[int], None] | None = None) -> _Scanned:
+    """Read one archive front to back once: its samples, skipped inputs, SHA-256 and size. In a pool,
+    `check(0)` before each read ends the scan once the pool is stopped."""
     group, wanted = _KINDS[kind]
     fs, path = filesystem(url, storage_options)
     digest, size = hashlib.sha256(), 0
 
     def read(n: int) -> bytes:
         nonlocal size
+        if check is not None:
+            check(0)
         data = f.read(n)
         digest.update(data)
         size += len(data)
@@ -282,9 +283,9 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     manifest, written last and atomically; nothing else). Raises PackError if `out` holds a dataset
     that was not indexed in place, TooManySkipped past `max_skipped` (as soon as an archive takes
     the count past it), and InputError naming the archive when one is missing or cannot be read as
-    an uncompressed tar, or naming the input when it holds no archive or no sample. What the run
-    wrote is removed then. Each archive's samples are written to its index files as it comes:
-    memory grows with archives, and by 16 bytes a key (`SeenKeys`)."""
+    an uncompressed tar, or naming the input when it holds no archive or no sample; Interrupted on
+    Ctrl-C. What the run wrote is removed then. Each archive's samples are written to its index
+    files as it comes: memory grows with archives, and by 16 bytes a key (`SeenKeys`)."""
     if kind not in _KINDS:
         raise ValueError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_KINDS)}")
     PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped)  # (checks them as packing does)
@@ -321,14 +322,10 @@ def _map(kind: str, urls: list[str], workers: int, storage_options: dict[str, An
     if workers == 1 or len(urls) <= 1:
         yield from (_scan(kind, url, storage_options) for url in urls)
         return
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(min(workers, len(urls)), mp_context=context,
-                                                initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
-        try:
-            yield from pool.map(_scan, [kind] * len(urls), urls, [storage_options] * len(urls))
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+    calls = [(_scan, kind, url, storage_options, pool_tick) for url in urls]
+    with worker_pool(min(workers, len(urls)), calls) as (futures, _):
+        for future in futures:
+            yield future.result()
 
 
 def _check_out(fs: Any, base: str, out: str, storage_options: dict[str, Any] | None) -> set[str]:
@@ -383,38 +380,42 @@ def _index(kind: str, urls: list[str], names: list[str], workers: int, storage_o
     archives, counts, ignored = [], collections.Counter(), 0
     bar = Progress(len(urls), progress, unit="archive", what="indexed %d/%d archives")
     try:
-        for number, (url, name, result) in enumerate(zip(urls, names, _map(kind, urls, workers, storage_options))):
-            bar.update(1)
-            archives.append((result.bytes, result.sha256))
-            counts.update(result.counts)
-            ignored += result.ignored
-            skipped += result.skipped
-            by_split: dict[str, list[tuple[str, _Members]]] = {}
-            for (key, members), new in zip(result.samples, keys.add([key for key, _ in result.samples])):
-                if not new:
-                    skipped.append(_skip(url, f"{key}.{members[0][0]}", key, f"duplicate key {key!r} (in an earlier "
-                                         "archive); kept the first"))
-                    continue
-                by_split.setdefault(split_of(key, splits), []).append((key, members))
-                exts.update(ext for ext, _, _ in members)
-            if len(skipped) > max_skipped:
-                skipped.sort(key=lambda s: (s["key"], s["source"]))
-                for s in skipped[:20]:
-                    log.error("skipped %s", s["reason"])
-                where = "" if number + 1 == len(urls) else f" in the first {number + 1} of {len(urls)} archives"
-                raise TooManySkipped(f"{len(skipped)} samples skipped{where}, more than --max-skipped {max_skipped}; "
-                                     "nothing was written")
-            for split, samples in by_split.items():
-                try:
-                    built = ShardIndex.build([k for k, _ in samples], [1] * len(samples), [m for _, m in samples])
-                except ValueError as exc:
-                    raise InputError(url, f"cannot be indexed: {exc}") from exc
-                data = built.to_bytes(result.bytes)
-                index = f"{split}-{number:06d}-{hashlib.sha256(data).hexdigest()[:12]}.idx"  # (never another run's file)
-                written.append(index)
-                write_bytes(fs, join(base, index), data)
-                tables[split].append(ShardInfo(name, len(samples), len(samples), result.bytes, result.sha256,
-                                               IndexInfo.of(name, data, index)))
+        with contextlib.closing(_map(kind, urls, workers, storage_options)) as scans:
+            for number, (url, name, result) in enumerate(zip(urls, names, scans)):
+                bar.update(1)
+                archives.append((result.bytes, result.sha256))
+                counts.update(result.counts)
+                ignored += result.ignored
+                skipped += result.skipped
+                by_split: dict[str, list[tuple[str, _Members]]] = {}
+                for (key, members), new in zip(result.samples, keys.add([key for key, _ in result.samples])):
+                    if not new:
+                        skipped.append(_skip(url, f"{key}.{members[0][0]}", key, f"duplicate key {key!r} (in an earlier "
+                                             "archive); kept the first"))
+                        continue
+                    by_split.setdefault(split_of(key, splits), []).append((key, members))
+                    exts.update(ext for ext, _, _ in members)
+                if len(skipped) > max_skipped:
+                    skipped.sort(key=lambda s: (s["key"], s["source"]))
+                    for s in skipped[:20]:
+                        log.error("skipped %s", s["reason"])
+                    where = "" if number + 1 == len(urls) else f" in the first {number + 1} of {len(urls)} archives"
+                    raise TooManySkipped(f"{len(skipped)} samples skipped{where}, more than --max-skipped {max_skipped}; "
+                                         "nothing was written")
+                for split, samples in by_split.items():
+                    try:
+                        built = ShardIndex.build([k for k, _ in samples], [1] * len(samples), [m for _, m in samples])
+                    except ValueError as exc:
+                        raise InputError(url, f"cannot be indexed: {exc}") from exc
+                    data = built.to_bytes(result.bytes)
+                    index = f"{split}-{number:06d}-{hashlib.sha256(data).hexdigest()[:12]}.idx"  # (never another run's file)
+                    written.append(index)
+                    write_bytes(fs, join(base, index), data)
+                    tables[split].append(ShardInfo(name, len(samples), len(samples), result.bytes, result.sha256,
+                                                   IndexInfo.of(name, data, index)))
+    except KeyboardInterrupt as exc:
+        raise Interrupted(f"interrupted after {len(archives)} of {len(urls)} archives; the index files of this run are "
+                          "removed: run the same command to start again") from exc
     finally:
         bar.close()
     if not len(keys):

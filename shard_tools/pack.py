@@ -9,8 +9,9 @@ The manifest is written last (atomically) and lists only finished shards. OUT is
 or any fsspec URL (`s3://bucket/prefix`; credentials from the environment, as s3fs reads them).
 
 Tasks run in-process (`workers=1`), in a local process pool, or on a Dask cluster (`dask=`):
-the output is the same bytes in every case. A run refused, or ended before it finished a shard,
-leaves nothing behind.
+the output is the same bytes in every case. Progress counts samples as they are written (on Dask:
+as shards finish). A run refused, or ended before it finished a shard, leaves nothing behind; Ctrl-C
+raises `Interrupted`, saying how far the pack got (the pool's workers ignore it: the parent stops them).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import logging
 import multiprocessing
 import os
 import posixpath
+import signal
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from tqdm import tqdm
@@ -41,8 +43,8 @@ from pipeline.storage import Retry, filesystem, is_local, join, with_retries, wr
 from pipeline.tario import ShardWriter
 
 __all__ = [
-    "Part", "SampleRef", "PackOptions", "PackSummary", "PackError", "Progress", "TooManySkipped", "Source", "pack",
-    "parse_splits", "split_of", "exit_with_parent",
+    "Part", "SampleRef", "PackOptions", "PackSummary", "PackError", "Interrupted", "Progress", "TooManySkipped", "Source",
+    "pack", "parse_splits", "split_of", "exit_with_parent", "pool_tick", "worker_pool",
 ]
 
 log = logging.getLogger(__name__)
@@ -170,8 +172,9 @@ def _plan(refs: Sequence[SampleRef], options: PackOptions) -> list[_Task]:
     return tasks
 
 
-def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
-    """Write one shard; bad samples are skipped and reported. Pure in its inputs: same bytes every time.
+def _run_task(source: Source, task: _Task, out: str, tick: Callable[[int], None] | None) -> dict[str, Any]:
+    """Write one shard; bad samples are skipped and reported; `tick(1)` after each sample. Pure in its
+    inputs: same bytes every time.
 
     On object storage the shard is written to a local temporary file, then uploaded in one piece
     (an object appears only when its upload completes)."""
@@ -181,7 +184,7 @@ def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         if not local:
             target = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="shard-pack-")), task.name)
-        record, index = _write_shard(source, task, target)
+        record, index = _write_shard(source, task, target, tick)
         if not local:
             with_retries(Retry(), join(out, task.name), lambda: fs.put_file(target, join(base, task.name)))
     write_bytes(fs, join(base, index_name(task.name)), index)  # after its shard, before the record
@@ -189,7 +192,8 @@ def _run_task(source: Source, task: _Task, out: str) -> dict[str, Any]:
     return record
 
 
-def _write_shard(source: Source, task: _Task, path: str) -> tuple[dict[str, Any], bytes]:
+def _write_shard(source: Source, task: _Task, path: str,
+                 tick: Callable[[int], None] | None) -> tuple[dict[str, Any], bytes]:
     """(the task's record, the shard's index file)."""
     writer = ShardWriter(path)
     skipped, counts, units = [], {"samples": 0}, []
@@ -199,12 +203,14 @@ def _write_shard(source: Source, task: _Task, path: str) -> tuple[dict[str, Any]
                 members, stats = source.encode(ref)
             except SampleError as exc:
                 skipped.append({"source": exc.url, "key": ref.key, "reason": str(exc)})
-                continue
-            writer.add(ref.key, members)
-            units.append(ref.units)
-            counts["samples"] += 1
-            for name, value in stats.items():
-                counts[name] = counts.get(name, 0) + value
+            else:
+                writer.add(ref.key, members)
+                units.append(ref.units)
+                counts["samples"] += 1
+                for name, value in stats.items():
+                    counts[name] = counts.get(name, 0) + value
+            if tick is not None:
+                tick(1)
         sha = writer.close()
     except BaseException:
         writer.abort()
@@ -248,16 +254,17 @@ class Progress:
         self.enabled = enabled
 
     def update(self, n: int) -> None:
+        """`n` more done (0: only the periodic line, if one is due; the last line comes as the count ends)."""
         self.done += n
         if self.bar is not None:
             self.bar.update(n)
             return
         now = time.monotonic()
-        if self.enabled and (now - self.last >= self.every or self.done == self.total):
+        if self.enabled and (now - self.last >= self.every or (n and self.done == self.total)):
             self.last = now
             rate = self.done / max(now - self.start, 1e-9)
-            eta = (self.total - self.done) / rate if rate else float("inf")
-            log.info(self.what + " (%.1f/s, ETA %.0f s)", self.done, self.total, rate, eta)
+            eta = f"{(self.total - self.done) / rate:.0f} s" if rate else "unknown"
+            log.info(self.what + " (%.1f/s, ETA %s)", self.done, self.total, rate, eta)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -269,6 +276,11 @@ def _fingerprint(kind: str, options: dict[str, Any], refs: Iterable[SampleRef]) 
     for ref in refs:
         digest.update(json.dumps([ref.key, [(r, p.name, p.size) for r, p in ref.parts], ref.split, ref.units]).encode())
     return digest.hexdigest()
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a pack or an index run: a KeyboardInterrupt whose message says how far the run
+    got and what running it again does."""
 
 
 def pack(
@@ -285,8 +297,8 @@ def pack(
     Raises InputError if the sources hold no sample; PackError if `out` holds another dataset or
     an unfinished pack of other inputs, or if more than `options.max_skipped` samples are skipped
     (the shards are kept and the manifest is not written; run again with a higher limit to finish
-    without redoing them). A run refused, or ended before it finished a shard, leaves nothing
-    behind (no `_pack/` record of it, no OUT it made).
+    without redoing them); Interrupted on Ctrl-C. A run refused, or ended before it finished a
+    shard, leaves nothing behind (no `_pack/` record of it, no OUT it made).
     `on_shard(name)` is called after each shard is finished (the tests interrupt packs with it).
     """
     started = time.monotonic()
@@ -323,11 +335,17 @@ def pack(
              sum(len(t.refs) for t in todo), len(todo), reused, len(skipped))
     bar = Progress(sum(len(t.refs) for t in todo), progress)
     try:
-        for task, record in _execute(source, todo, out, options):
-            records[task.name] = record
-            bar.update(len(task.refs))
-            if on_shard is not None:
-                on_shard(task.name)
+        with contextlib.closing(_execute(source, todo, out, options, bar)) as results:
+            for task, record in results:
+                records[task.name] = record
+                if on_shard is not None:
+                    on_shard(task.name)
+    except KeyboardInterrupt as exc:
+        recorded = {posixpath.basename(p) for p in fs.ls(state, detail=False, refresh=True)}  # (every finished shard's)
+        done = sum(len(t.refs) for t in tasks if f"{t.name}.json" in recorded)
+        if made is not None:
+            _unstart(fs, base, made)
+        raise Interrupted(f"interrupted after {done} of {len(refs)} samples; run the same command to resume") from exc
     except BaseException:
         if made is not None:
             _unstart(fs, base, made)
@@ -450,25 +468,74 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="shard-pack-parent", daemon=True).start()
 
 
-def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions) -> Iterable[tuple[_Task, dict[str, Any]]]:
+class _Stopped(Exception):
+    """In a pool worker: the parent stopped the pool (Ctrl-C, or another task failed)."""
+
+
+_pool: dict[str, Any] = {}  # in a pool worker: the parent's count of items done and its stop flag
+
+
+def _init_worker(parent: int, done: Any, stop: Any) -> None:
+    """A pool worker ignores Ctrl-C (a terminal sends it to every process; the parent handles it and
+    stops the workers through `stop`) and ends with the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent(parent)
+    _pool.update(done=done, stop=stop)
+
+
+def pool_tick(n: int) -> None:
+    """In a `worker_pool` worker: `n` more items done (0: only the check); raises once the parent
+    stops the pool, so that the task ends early (a shard being written is removed)."""
+    if _pool["stop"].is_set():
+        raise _Stopped("stopped by the parent process")
+    if n:
+        with _pool["done"].get_lock():
+            _pool["done"].value += n
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, calls: Sequence[tuple[Any, ...]]) -> Iterator[tuple[list[concurrent.futures.Future[Any]], Any]]:
+    """Each call `(function, *args)` submitted to a pool of `workers` spawned processes: (the futures,
+    the shared count that `pool_tick` adds to). On leaving, running calls stop at their next tick,
+    queued ones are cancelled, and the workers are waited for. The workers start with Ctrl-C blocked
+    and then ignore it, so that only this process handles it, even while they start."""
+    context = multiprocessing.get_context("spawn")  # safe with threads (progress bar) and any library
+    done, stop, pool = context.Value("q", 0), context.Event(), None
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                                      initargs=(os.getpid(), done, stop))
+        futures = [pool.submit(*call) for call in calls]  # (the workers start as the first calls are submitted)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # (a Ctrl-C meanwhile is raised here)
+        yield futures, done
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        stop.set()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions,
+             bar: Progress) -> Iterator[tuple[_Task, dict[str, Any]]]:
+    """Each task run and its record, as they finish; `bar` counts their samples as they are written."""
     _remove_debris(out)
     if options.dask is not None:
-        yield from _execute_dask(source, tasks, out, options)
+        for task, record in _execute_dask(source, tasks, out, options):
+            bar.update(len(task.refs))  # (per shard: a worker of a cluster has no cheap channel back per sample)
+            yield task, record
         return
     if options.workers == 1 or len(tasks) <= 1:
         for task in tasks:
-            yield task, _run_task(source, task, out)
+            yield task, _run_task(source, task, out, bar.update)
         return
-    context = multiprocessing.get_context("spawn")  # safe with threads (progress bar) and any library
-    with concurrent.futures.ProcessPoolExecutor(min(options.workers, len(tasks)), mp_context=context,
-                                                initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
-        futures = {pool.submit(_run_task, source, task, out): task for task in tasks}
-        try:
-            for future in concurrent.futures.as_completed(futures):
-                yield futures[future], future.result()
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+    calls = [(_run_task, source, task, out, pool_tick) for task in tasks]
+    with worker_pool(min(options.workers, len(tasks)), calls) as (futures, done):
+        pending = dict(zip(futures, tasks))
+        while pending:
+            finished, _ = concurrent.futures.wait(pending, timeout=0.1, return_when=concurrent.futures.FIRST_COMPLETED)
+            bar.update(done.value - bar.done)
+            for future in finished:
+                yield pending.pop(future), future.result()
 
 
 def _execute_dask(source: Source, tasks: list[_Task], out: str, options: PackOptions) -> Iterable[tuple[_Task, dict[str, Any]]]:
@@ -487,7 +554,7 @@ def _execute_dask(source: Source, tasks: list[_Task], out: str, options: PackOpt
     else:
         cluster, client = None, Client(options.dask)
     try:
-        futures = {client.submit(_run_task, source, task, out, key=f"shard-pack-{task.name}-{uuid.uuid4().hex[:8]}",
+        futures = {client.submit(_run_task, source, task, out, None, key=f"shard-pack-{task.name}-{uuid.uuid4().hex[:8]}",
                                  retries=options.task_retries, pure=False): task for task in tasks}
         for future in as_completed(futures):
             task = futures[future]

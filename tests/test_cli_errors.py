@@ -1,23 +1,39 @@
-"""Bad input through `shard-pack`: packing or indexing nothing, a text file given as a `.tar`,
-refused runs. Each gets a clear message and its exit code, no traceback, and leaves nothing behind
-but what a resume needs."""
+"""Bad input and Ctrl-C through `shard-pack`: packing or indexing nothing, a text file given as a
+`.tar`, refused runs, interrupted runs. Each gets a clear message and its exit code, no traceback,
+and leaves nothing behind but what a resume needs. And progress on a terminal, sample by sample."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import pathlib
+import pty
+import re
 import shutil
+import signal
+import struct
+import subprocess
+import sys
 import tarfile
+import termios
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from shard_tools.cli import main
-from shard_tools.pack import PackOptions, pack
+from shard_tools.pack import Interrupted, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.sample_data import write_sa1b
 from shard_tools.sample_vqa import write_vqa
+
+REPO = str(pathlib.Path(__file__).resolve().parent.parent)
+_ENV = {**os.environ, "PYTHONPATH": REPO}
+
 
 def _tree(folder: pathlib.Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
@@ -117,7 +133,126 @@ def test_a_run_ended_before_its_first_shard_leaves_nothing_behind(sa1b_src, tmp_
     kept.mkdir()
     for error in (OSError(28, "No space left on device"), KeyboardInterrupt()):
         for out in (tmp_path / "new" / "out", kept):
-            with pytest.raises(type(error)):
+            with pytest.raises(type(error)) as raised:
                 pack(_Failing(error=error), [str(sa1b_src)], str(out), PackOptions(), progress=False)
             assert not (tmp_path / "new").exists(), "the folders the run made are removed"
             assert _tree(kept) == [], "a folder that was there stays, without what the run wrote"
+        if isinstance(error, KeyboardInterrupt):
+            assert isinstance(raised.value, Interrupted)
+            assert str(raised.value) == "interrupted after 0 of 14 samples; run the same command to resume"
+
+
+def test_a_refused_run_keeps_an_interrupted_packs_state(sa1b_src, sa1b_dataset, tmp_path):
+    out = tmp_path / "out"
+    options = PackOptions(shard_samples=3, splits=(("train", 0.7), ("val", 0.3)))
+
+    def stop(name: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted, match=r"^interrupted after 3 of 14 samples; run the same command to resume$"):
+        pack(Sa1bSource(), [str(sa1b_src)], str(out), options, progress=False, on_shard=stop)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert any(p.parent.name == "_pack" and p.suffix == ".json" for p in before)
+    assert main(["-q", "sa1b", str(sa1b_src), str(out)]) == 2, "other options: refused"
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before, "the resumable state is kept"
+    assert pack(Sa1bSource(), [str(sa1b_src)], str(out), options, progress=False).reused == 1
+
+
+# -- Ctrl-C, as a terminal sends it, and progress on a terminal ---------------------------------
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory) -> pathlib.Path:
+    """1,600 SA-1B pairs (8 pictures under 200 keys each, hard links): a pack that runs for seconds."""
+    src = tmp_path_factory.mktemp("many")
+    pictures = tmp_path_factory.mktemp("pictures")
+    write_sa1b(pictures, images=8, size=(480, 720), masks=(30, 80), layout="folder", seed=9)
+    for i in range(1600):
+        for ext in ("jpg", "json"):
+            os.link(pictures / f"sa_{i % 8 + 1}.{ext}", src / f"sa_{i + 1}.{ext}")
+    return src
+
+
+def _interrupt(args: list[str], ready: Callable[[], bool]) -> subprocess.CompletedProcess:
+    """Run `shard-pack args` in a process group of its own, send the group SIGINT once `ready()`."""
+    child = subprocess.Popen([sys.executable, "-m", "shard_tools.cli", *args], cwd=REPO, env=_ENV,
+                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not ready():
+            assert child.poll() is None, "the command ended before it could be interrupted"
+            time.sleep(0.01)
+        os.killpg(child.pid, signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(args, child.returncode, out, err)
+
+
+def _files(folder: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_ctrl_c_during_a_pack_prints_one_line_exits_130_and_the_rerun_resumes_byte_identical(many, tmp_path):
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    pack(Sa1bSource(), [str(many)], str(reference), PackOptions(shard_samples=100), progress=False)
+    args = ["sa1b", str(many), str(out), "--shard-samples", "100", "--workers", "2"]
+
+    run = _interrupt(args, lambda: any((out / "_pack").glob("*.json")))
+    assert run.returncode == 130, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    lines = [line for line in run.stderr.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and re.fullmatch(r"shard-pack: interrupted after (\d+) of 1600 samples; run the same "
+                                            r"command to resume", lines[0]), run.stderr
+    done = int(re.search(r"after (\d+)", lines[0])[1])
+    assert 100 <= done < 1600 and done == 100 * len(list((out / "_pack").glob("*.json"))), "N: the finished shards'"
+    assert not list(out.glob("*.partial-*")), "the shards being written when stopped are removed"
+
+    rerun = subprocess.run([sys.executable, "-m", "shard_tools.cli", "-q", *args], cwd=REPO, env=_ENV,
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"({done // 100} shards reused from an interrupted run)" in rerun.stdout
+    assert _files(out) == _files(reference)
+
+
+def _stderr_on_a_terminal(args: list[str]) -> str:
+    """What `shard-pack args` writes to stderr when it is a terminal (a pseudo-terminal of 100 columns)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    child = subprocess.Popen([sys.executable, "-m", "shard_tools.cli", *args], cwd=REPO, env=_ENV,
+                             stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    with contextlib.suppress(OSError):  # (EIO once the child has closed the terminal)
+        while data := os.read(master, 1 << 16):
+            chunks.append(data)
+    os.close(master)
+    assert child.wait(timeout=300) == 0
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_progress_on_a_terminal_counts_samples_as_they_are_written(many, tmp_path, workers):
+    shown = _stderr_on_a_terminal(["sa1b", str(many), str(tmp_path / "out"), "--shard-samples", "800",
+                                   "--workers", str(workers)])
+    counts = [int(n) for n in re.findall(r" (\d+)/1600 ", shown)]
+    assert counts[-1] == 1600, shown
+    assert any(n % 800 for n in counts), f"progress inside a shard, not only once per shard: {counts}"
+
+
+def test_ctrl_c_during_an_index_run_prints_one_line_exits_130_and_leaves_nothing(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    for i in range(8):  # big but sparse: the scan hashes 256 MiB of each, the disk holds next to nothing
+        info = tarfile.TarInfo(f"s{i}.bin")
+        info.size = 256 << 20
+        with open(src / f"a{i}.tar", "wb") as f:
+            f.write(info.tobuf(format=tarfile.USTAR_FORMAT))
+            f.truncate(512 + info.size + 1024)
+
+    run = _interrupt(["index", "webdataset", str(src), str(out), "--workers", "2"], lambda: any(out.glob("*.idx")))
+    assert run.returncode == 130, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    lines = [line for line in run.stderr.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and re.fullmatch(r"shard-pack: interrupted after [1-7] of 8 archives; the index files of "
+                                            r"this run are removed: run the same command to start again", lines[0])
+    assert not out.exists()

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from PIL import Image
 from pipeline.format import Manifest
 from procs import alive, children
 from shard_tools.cli import main
-from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits, split_of
+from shard_tools.pack import PackError, PackOptions, Progress, TooManySkipped, pack, parse_splits, split_of
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.sample_data import write_sa1b
 from conftest import indexed, split_keys
@@ -290,3 +291,17 @@ def test_a_killed_pack_leaves_no_worker_running_and_its_rerun_is_byte_identical(
     run = subprocess.run(_CLI + args, cwd=REPO, env=_ENV, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert _files(out) == _files(reference)
+
+
+def test_progress_off_a_terminal_is_a_line_per_interval_and_one_at_the_end(caplog):
+    bar = Progress(10, True, every=0.2)
+    bar.update(3)  # (not due yet)
+    time.sleep(0.25)
+    bar.update(0)  # due: a line, whatever the count
+    bar.update(7)  # the end: its line
+    bar.update(0)
+    bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("packed")]
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"packed 3/10 samples \(\d+\.\d/s, ETA \d+ s\)", lines[0]), lines
+    assert re.fullmatch(r"packed 10/10 samples \(\d+\.\d/s, ETA 0 s\)", lines[1]), lines
