@@ -228,17 +228,23 @@ class PackSummary:
     bytes: int = 0
     skipped: int = 0
     reused: int = 0  # shards finished by an earlier, interrupted run
+    reused_samples: int = 0  # the samples in them
     seconds: float = 0.0
     counts: dict[str, int] = dataclasses.field(default_factory=dict)  # kind-specific, e.g. masks
     skip_list: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    complete: bool = False  # the pack was complete before this run, which did nothing
 
     def lines(self) -> list[str]:
+        if self.complete:
+            return [f"already complete: {self.samples} samples in {self.shards} shards, {self.bytes / 1e6:.1f} MB, "
+                    f"{self.skipped} skipped; nothing to do"]
         extra = "".join(f", {v} {k}" for k, v in sorted(self.counts.items()) if k != "samples")
-        rate = self.samples / self.seconds if self.seconds else 0.0
+        reused = f" ({self.reused} shards reused from an interrupted run)" if self.reused else ""
+        written = self.samples - self.reused_samples
+        rate = f", {written / self.seconds:.1f} samples/s" if written and self.seconds else ""
         return [
-            f"packed {self.samples} samples{extra} into {self.shards} shards, {self.bytes / 1e6:.1f} MB "
-            f"({self.reused} shards reused from an interrupted run)",
-            f"skipped {self.skipped}; {self.seconds:.1f} s, {rate:.1f} samples/s",
+            f"packed {self.samples} samples{extra} into {self.shards} shards, {self.bytes / 1e6:.1f} MB{reused}",
+            f"skipped {self.skipped}; {self.seconds:.1f} s{rate}",
         ]
 
 
@@ -319,8 +325,7 @@ def pack(
         existing = Manifest.from_json(fs.cat_file(manifest_path), join(out, MANIFEST_NAME))
         if existing.fingerprint != fingerprint:
             raise PackError(f"{out} already holds a dataset packed from other inputs or options; use a new folder")
-        log.info("%s is already complete (same inputs and options): nothing to do", out)
-        return _summary(existing, 0, time.monotonic() - started)
+        return _summary(existing, time.monotonic() - started, complete=True)
     tasks = _plan(refs, options)
     made = _start(fs, base, out, fingerprint)
 
@@ -329,7 +334,7 @@ def pack(
         record_path = join(state, task.name + ".json")
         if _exists(fs, record_path) and _exists(fs, join(base, task.name)) and _exists(fs, join(base, index_name(task.name))):
             records[task.name] = json.loads(fs.cat_file(record_path))
-    reused = len(records)
+    reused, reused_samples = len(records), sum(r["shard"]["samples"] for r in records.values())
     todo = [t for t in tasks if t.name not in records]
     log.info("%d samples in %d shards to write (%d already done); %d inputs skipped while listing",
              sum(len(t.refs) for t in todo), len(todo), reused, len(skipped))
@@ -375,9 +380,7 @@ def pack(
     for record in records.values():
         for name, value in record["counts"].items():
             counts[name] = counts.get(name, 0) + value
-    summary = _summary(manifest, reused, time.monotonic() - started)
-    summary.counts = counts
-    return summary
+    return _summary(manifest, time.monotonic() - started, reused=reused, reused_samples=reused_samples, counts=counts)
 
 
 def _holds_more_than_state(fs: Any, base: str) -> bool:
@@ -436,11 +439,11 @@ def _exists(fs: Any, path: str) -> bool:
     return with_retries(Retry(), fs.unstrip_protocol(path), lambda: fs.exists(path))
 
 
-def _summary(manifest: Manifest, reused: int, seconds: float) -> PackSummary:
+def _summary(manifest: Manifest, seconds: float, **more: Any) -> PackSummary:
     shards = [s for split in manifest.splits.values() for s in split]
     return PackSummary(
         samples=sum(s.samples for s in shards), shards=len(shards), bytes=sum(s.bytes for s in shards),
-        skipped=len(manifest.skipped), reused=reused, seconds=seconds, skip_list=list(manifest.skipped),
+        skipped=len(manifest.skipped), seconds=seconds, skip_list=list(manifest.skipped), **more,
     )
 
 

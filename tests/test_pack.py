@@ -96,11 +96,16 @@ def test_interrupted_pack_resumes_without_redoing_shards(sa1b_src, sa1b_dataset,
     assert _files(out) == _files(sa1b_dataset)
 
 
-def test_finished_pack_is_not_redone_and_other_inputs_are_refused(sa1b_src, sa1b_dataset, tmp_path):
+def test_finished_pack_is_not_redone_and_other_inputs_are_refused(sa1b_src, sa1b_dataset, tmp_path, capsys):
     out = tmp_path / "out"
     shutil.copytree(sa1b_dataset, out)
     assert _pack(sa1b_src, out).reused == 0
     assert _files(out) == _files(sa1b_dataset)
+    shards = len(list(out.glob("*.tar")))
+    assert main(["-q", "sa1b", str(sa1b_src), str(out), "--shard-samples", "3", "--split", "train=0.7,val=0.3"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"already complete: 14 samples in {shards} shards, ") and "nothing to do" in printed
+    assert "samples/s" not in printed, "no rate: this run packed nothing"
     with pytest.raises(PackError, match="other inputs or options"):
         _pack(sa1b_src, out, shard_samples=4)
     (tmp_path / "busy").mkdir()
