@@ -314,11 +314,6 @@ class SampleReads:
         for data in self.taken.pop(where, ()):
             release_pages(data)
 
-    def start_downloads(self) -> None:
-        for reader in self.readers:
-            reader.start_downloads()
-
     def settle(self) -> None:
         for reader in self.readers:
-            reader.start_downloads()  # (an iteration of no batch)
             reader.settle()

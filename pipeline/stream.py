@@ -151,8 +151,6 @@ class ShardStream(IterableDataset):
                 self.times.flush(world.worker, clock, len(plan[i][2]) - lost)
                 yield collated
                 active = clock.mark()
-                if i == 0:
-                    reads.start_downloads()
             reads.settle()
         finally:
             reads.close()

@@ -4,12 +4,15 @@ SeaweedFS server (`shard_tools.locals3`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 
-from shard_tools.locals3 import HOST
+from shard_tools.locals3 import HOST, KEY, SECRET
 
 
 @dataclasses.dataclass
@@ -19,6 +22,13 @@ class Request:
     headers: dict[str, str]
     fault: str | None = None
     response_bytes: int = 0
+    at: float = dataclasses.field(default_factory=time.monotonic)  # when its head arrived
+
+    @property
+    def access_key(self) -> str | None:
+        """The access key ID that signed it (SigV4), if any."""
+        found = re.search(r"Credential=([^/]+)/", self.headers.get("authorization", ""))
+        return found.group(1) if found else None
 
 
 @dataclasses.dataclass
@@ -34,6 +44,10 @@ SLOWDOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent
 SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
 ERROR500 = (b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n")
 ERROR500_BODY = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>'
+EXPIRED = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n")
+EXPIRED_BODY = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ExpiredToken</Code><Message>The provided token has expired.</Message></Error>'
+UNKNOWN_KEY = (b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n")
+UNKNOWN_KEY_BODY = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code><Message>The AWS Access Key Id you provided does not exist in our records.</Message></Error>'
 
 
 class FaultProxy:
@@ -42,10 +56,16 @@ class FaultProxy:
     - "slowdown": answers 503 SlowDown; "error500": answers 500 InternalError (the server never sees them);
     - "cut": relays the response head and `after_bytes` of the body, then closes the connection;
     - "reset": resets the connection (RST) before answering;
-    - "stall": holds the connection silent for `seconds`, then closes it."""
+    - "stall": holds the connection silent for `seconds`, then closes it.
 
-    def __init__(self, upstream_port: int) -> None:
+    With `credentials` (access key ID -> "valid", "expired" or anything else), it plays a server that
+    issues temporary credentials: a request signed with an expired one is answered 400 ExpiredToken,
+    with an unknown one 403 InvalidAccessKeyId (fault "expired", "unknown"), and one signed with a
+    valid one is signed again with the server's own key and passed on (signatures are not checked)."""
+
+    def __init__(self, upstream_port: int, credentials: Callable[[str | None], str] | None = None) -> None:
         self.upstream_port = upstream_port
+        self.credentials = credentials
         self.requests: list[Request] = []
         self.faults: list[_Fault] = []
         self._lock = threading.Lock()
@@ -117,6 +137,19 @@ class FaultProxy:
         headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
         body = await _read_body(reader, headers)
         request = Request(method, target, headers)
+        state = self.credentials(request.access_key) if self.credentials is not None else "valid"
+        if state != "valid":
+            with self._lock:
+                request.fault = "expired" if state == "expired" else "unknown"
+                self.requests.append(request)
+            head, payload = (EXPIRED, EXPIRED_BODY) if state == "expired" else (UNKNOWN_KEY, UNKNOWN_KEY_BODY)
+            with contextlib.suppress(ConnectionError):
+                writer.write(head % len(payload) + payload)
+                await writer.drain()
+            writer.close()
+            return
+        if self.credentials is not None:
+            lines = self._signed_again(lines, method, target)
         fault = self._take_fault(request)
         try:
             if fault is not None and fault.mode in ("slowdown", "error500"):
@@ -136,6 +169,19 @@ class FaultProxy:
             pass
         finally:
             writer.close()
+
+    def _signed_again(self, lines: list[str], method: str, target: str) -> list[str]:
+        """The request's head signed with the server's key (SigV4; GET and HEAD: no body)."""
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        signing = ("authorization", "x-amz-date", "x-amz-content-sha256", "x-amz-security-token", "host")
+        kept = [line for line in lines[1:] if line and line.split(":", 1)[0].strip().lower() not in signing]
+        request = AWSRequest(method=method, url=f"http://{HOST}:{self.port}{target}",
+                             headers={k.strip(): v.strip() for k, v in (line.split(":", 1) for line in kept)})
+        S3SigV4Auth(Credentials(KEY, SECRET), "s3", "us-east-1").add_auth(request)
+        return [lines[0], f"host: {HOST}:{self.port}", *(f"{k}: {v}" for k, v in request.headers.items())]
 
     async def _forward(self, lines: list[str], body: bytes, writer: asyncio.StreamWriter, request: Request,
                        fault: _Fault | None) -> None:

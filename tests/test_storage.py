@@ -6,14 +6,18 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
+import logging
 import multiprocessing
 import os
 import pathlib
+import random
 import re
 import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 import weakref
 
@@ -28,6 +32,9 @@ from pipeline.config import LoaderConfig
 from pipeline.errors import ManifestError, ShardError
 from pipeline.format import Manifest
 from pipeline.storage import Retry, filesystem, read_range
+from pipeline.storage.ranged import ranged_reader
+from pipeline.storage.retry import transient
+from pipeline.storage.s3 import S3Error
 from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
@@ -298,14 +305,22 @@ def test_stall_past_the_read_timeout_is_retried(remote, sa1b_dataset, proxy):
     assert proxy.served("stall") == 1
 
 
+# Options for each ranged client: the lean one (obstore), and s3fs (an option the lean one cannot honour).
+CLIENT_OPTIONS = {"lean": {}, "s3fs": {"max_pool_connections": 10}}
+
+
+@pytest.mark.parametrize("client", ["lean", "s3fs"])
 @pytest.mark.parametrize("mode", ["slowdown", "reset"])
-def test_faults_past_the_bound_fail_naming_url_and_cause(remote, proxy, mode):
+def test_faults_past_the_bound_fail_naming_url_and_cause(remote, proxy, mode, client):
     proxy.fault(mode, count=1000, match=_is_shard_read)
     with pytest.raises(ShardError, match=rf"{remote}/train-\d+\.tar: sample .*after 4 tries") as info:
-        _epoch(remote, storage_options=storage_options(proxy.endpoint), retry=FAST, read_ahead=0, batch_size=1)
+        _epoch(remote, storage_options=storage_options(proxy.endpoint, **CLIENT_OPTIONS[client]), retry=FAST,
+               read_ahead=0, batch_size=1)
     if mode == "slowdown":
         assert "reduce your request rate" in str(info.value)
-        assert proxy.served(mode) == 4  # exactly `attempts` tries: botocore's and s3fs's retries are off
+        assert proxy.served(mode) == 4  # exactly `attempts` tries: the clients' own retries are off
+    elif client == "lean":
+        assert proxy.served(mode) == 4
     else:  # aiohttp repeats an idempotent request once when the connection drops (RFC 9112 section 9.3.1)
         assert proxy.served(mode) == 2 * 4
 
@@ -515,3 +530,217 @@ def test_verify_on_object_storage_reads_each_shard_once_and_checks_every_sample(
     problems = verify(root, progress=False, storage_options=options)
     assert any(f"{name}: SHA-256" in p for p in problems)
     assert any(f"sample {index.key(1)!r}" in p for p in problems), problems
+
+
+def _user_agents(proxy: FaultProxy, shards: bool) -> set[str]:
+    return {r.headers.get("user-agent", "").split("/")[0] for r in proxy.requests
+            if r.target.split("?")[0].endswith(".tar") == shards}
+
+
+def test_s3_shards_are_read_by_the_lean_client_and_options_it_cannot_honour_by_s3fs(remote, sa1b_dataset, proxy,
+                                                                                    caplog):
+    local = _epoch(sa1b_dataset)
+    _same(_epoch(remote, storage_options=storage_options(proxy.endpoint)), local)
+    assert _user_agents(proxy, shards=True) == {"object_store"}  # ranges and sizes: obstore
+    assert "object_store" not in _user_agents(proxy, shards=False)  # the manifest and indexes: s3fs
+    proxy.clear()
+    caplog.set_level(logging.DEBUG, "pipeline.storage")
+    _same(_epoch(remote, storage_options=storage_options(proxy.endpoint, max_pool_connections=10)), local)
+    assert "object_store" not in _user_agents(proxy, shards=True)
+    assert "read through s3fs, not the lean client: options config_kwargs['max_pool_connections']" in caplog.text
+
+
+def test_slowdown_on_the_lean_client_backs_off_with_jitter_for_exact_tries(remote, sa1b_dataset, proxy):
+    shard, index = indexed(sa1b_dataset)[1]
+    start, end = index.span(1)
+    retry = Retry(attempts=4, initial_delay=0.1, max_delay=0.25)
+    reader = ranged_reader(f"{remote}/{shard.name}", storage_options(proxy.endpoint), retry)
+    proxy.fault("slowdown", count=3)
+    random.seed(23)
+    waits = [retry.delay(n) for n in (1, 2, 3)]  # what the seeded jitter makes of 0.1, 0.2, 0.25 s
+    assert all(abs(wait / bare - 1) > 0.05 for wait, bare in zip(waits, (0.1, 0.2, 0.25))), waits
+    random.seed(23)
+    assert reader.read(start, end, index.key(1)) == pathlib.Path(sa1b_dataset, shard.name).read_bytes()[start:end]
+    gets = proxy.gets()
+    assert [r.fault for r in gets] == ["slowdown"] * 3 + [None] and {r.headers["range"] for r in gets} == \
+        {f"bytes={start}-{end - 1}"}
+    for gap, wait in zip(np.diff([r.at for r in gets]), waits):
+        assert wait <= gap < wait + 0.25, (gap, wait)  # each retry after its own backoff, no extra tries
+    proxy.clear()
+    proxy.fault("slowdown", count=1000)
+    with pytest.raises(ShardError, match=rf"sample '{index.key(1)}': cannot read bytes {start}-{end} after 4 tries: "
+                                         r"S3Error: 503 SlowDown: Please reduce your request rate\."):
+        reader.read(start, end, index.key(1))
+    assert proxy.served("slowdown") == len(proxy.requests) == 4
+
+
+def test_a_cut_long_read_on_the_lean_client_resumes_from_the_piece_reached(remote, sa1b_dataset, proxy, monkeypatch):
+    monkeypatch.setattr(storage.fs, "PIECE_BYTES", 4096)
+    shard, _ = indexed(sa1b_dataset)[0]
+    reader = ranged_reader(f"{remote}/{shard.name}", storage_options(proxy.endpoint), FAST)
+    nth = iter(range(100))
+    proxy.fault("cut", count=1, after_bytes=1000, match=lambda r: next(nth) == 2)  # the third piece
+    assert reader.read(0, shard.bytes) == pathlib.Path(sa1b_dataset, shard.name).read_bytes()
+    ranges = [r.headers["range"] for r in proxy.gets()]
+    pieces = [f"bytes={i}-{min(i + 4096, shard.bytes) - 1}" for i in range(0, shard.bytes, 4096)]
+    assert ranges == pieces[:3] + pieces[2:]  # only the cut piece is asked for twice
+    assert _user_agents(proxy, shards=True) == {"object_store"}
+
+
+def test_refused_credentials_fail_at_once_naming_the_shard_and_sample(remote, sa1b_dataset, server):
+    shard, index = indexed(sa1b_dataset)[0]
+    start, end = index.span(0)
+    expired = FaultProxy(server.s3_port, credentials=lambda key: "expired")
+    try:
+        for options, said in [(storage_options(server.endpoint, secret="wrong"), "403 SignatureDoesNotMatch"),
+                              (storage_options(expired.endpoint), "400 ExpiredToken: The provided token has expired")]:
+            reader = storage.ShardReader(remote, options, FAST)
+            with pytest.raises(ShardError, match=rf"{remote}/{shard.name}: sample '{index.key(0)}': cannot read bytes "
+                                                 rf"{start}-{end}: PermissionError: {said}"):  # (no "after 4 tries")
+                reader.read(shard.name, shard.bytes, shard.sha256, start, end, index.key(0))
+            with pytest.raises(ShardError, match=rf"sample '{index.key(0)}': cannot stat shard: (PermissionError: 403 "
+                                                 r"Forbidden|S3Error: 400 Bad Request)$"):  # (a HEAD answer has no body)
+                reader.size(shard.name, index.key(0))
+        assert [(r.method, r.fault) for r in expired.requests] == [("GET", "expired"), ("HEAD", "expired")]
+    finally:
+        expired.close()
+
+
+# Temporary credentials as a credential_process hands them out (AWS config file): each call a new
+# access key, "valid" for `LIFE` seconds; issued ones are listed in the file `issued`.
+_CREDENTIAL_PROCESS = r"""
+import datetime, json, pathlib, sys, time
+issued = pathlib.Path(sys.argv[1])
+n = len(issued.read_text().splitlines()) + 1 if issued.exists() else 1
+with issued.open("a") as f:
+    f.write(f"gen{n} {time.time()}\n")
+expiry = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=float(sys.argv[2]))
+print(json.dumps({"Version": 1, "AccessKeyId": f"gen{n}", "SecretAccessKey": "unused", "Expiration": expiry.isoformat()}))
+"""
+
+
+def test_temporary_credentials_are_refreshed_before_they_expire(remote, sa1b_dataset, server, tmp_path, monkeypatch):
+    """botocore treats temporary credentials as due for refresh 10 minutes before they expire; the
+    lean client asks for new ones then. To see it in seconds, credentials are issued for 10 min 2 s
+    and the server refuses each as expired 4 s after it was issued: every read succeeds, with
+    credentials refreshed (not one request per credential), and none is sent expired."""
+    (tmp_path / "creds.py").write_text(_CREDENTIAL_PROCESS)
+    issued = tmp_path / "issued"
+    (tmp_path / "config").write_text(f"[profile temporary]\ncredential_process = {sys.executable} {tmp_path}/creds.py "
+                                     f"{issued} 602\n")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+
+    def state(key: str | None) -> str:
+        when = dict(line.split() for line in issued.read_text().splitlines() if len(line.split()) == 2).get(key or "")
+        return "unknown" if when is None else "valid" if time.time() < float(when) + 4 else "expired"
+
+    proxy = FaultProxy(server.s3_port, credentials=state)
+    try:
+        options = {"profile": "temporary", "client_kwargs": {"endpoint_url": proxy.endpoint, "region_name": "us-east-1"}}
+        shard, index = indexed(sa1b_dataset)[0]
+        reader = ranged_reader(f"{remote}/{shard.name}", options, FAST)
+        data = pathlib.Path(sa1b_dataset, shard.name).read_bytes()
+        began = time.monotonic()
+        while time.monotonic() - began < 6.5:
+            start, end = index.span(0)
+            assert reader.read(start, end) == data[start:end]
+            time.sleep(0.25)
+        used = [r.access_key for r in proxy.requests]
+        assert [r.fault for r in proxy.requests] == [None] * len(used), "none sent expired"
+        assert len(set(used)) >= 3, used  # refreshed every ~2 s...
+        assert len(issued.read_text().splitlines()) <= 8 and len(used) >= 2 * len(set(used)), used  # ...not per request
+    finally:
+        proxy.close()
+
+
+def _reads_in_a_forked_child(url: str, options: dict, parent, out) -> None:
+    reader = ranged_reader(url, options, FAST)
+    try:
+        parent.client.cat_file(parent.path, 0, 10)
+        refused = "used"
+    except RuntimeError as exc:
+        refused = str(exc)
+    out.put((type(reader.client).__name__, reader.read(0, 1000), refused))
+
+
+def test_a_forked_child_never_uses_a_client_of_its_parent(remote, sa1b_dataset, server):
+    """obstore cannot run in a process forked after it ran (its runtime's threads stay behind): there,
+    s3fs reads, and the parent's client refuses to serve instead of waiting forever."""
+    shard, _ = indexed(sa1b_dataset)[0]
+    url, options = f"{remote}/{shard.name}", storage_options(server.endpoint)
+    parent = ranged_reader(url, options, FAST)
+    data = pathlib.Path(sa1b_dataset, shard.name).read_bytes()
+    assert type(parent.client).__name__ == "S3Client" and parent.read(0, 1000) == data[:1000]
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_reads_in_a_forked_child, args=(url, options, parent, out))
+    child.start()
+    kind, read, refused = out.get(timeout=60)
+    child.join(30)
+    assert (kind, read) == ("S3FileSystem", data[:1000])
+    assert "clients are not fork-safe" in refused
+
+
+# A training process (fresh: obstore never ran in it) whose 2 DataLoader workers are forked.
+_FORKED_WORKERS = r"""
+import hashlib, json, logging, os, sys
+from pipeline import make_stream_loader
+from shard_tools.locals3 import storage_options
+logging.basicConfig(level=logging.WARNING, format="%(process)d %(name)s %(message)s")
+logging.getLogger("pipeline.storage").setLevel(logging.DEBUG)
+loader = make_stream_loader(sys.argv[1], "train", batch_size=2, num_workers=2, seed=5, multiprocessing_context="fork",
+                            storage_options=storage_options(sys.argv[2]), image_size=32, mask_size=8, max_masks=2)
+loader.set_epoch(1)
+digest = lambda t: hashlib.sha256(t.numpy().tobytes()).hexdigest()
+print(json.dumps({"pid": os.getpid(), "batches": [{"keys": b["keys"], **{n: digest(b[n]) for n in
+                  ("images", "masks", "boxes", "mask_counts")}} for b in loader]}))
+"""
+
+
+def test_forked_loader_workers_each_read_through_their_own_lean_client(remote, sa1b_dataset, proxy):
+    run = subprocess.run([sys.executable, "-c", _FORKED_WORKERS, remote, proxy.endpoint], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    made = {int(pid) for pid in re.findall(r"^(\d+) pipeline\.storage s3://\S+: lean client made in process \1$",
+                                           run.stderr, re.MULTILINE)}
+    assert len(made) == 2 and result["pid"] not in made, run.stderr[-3000:]  # one per worker, none in the parent
+    assert "read through s3fs" not in run.stderr
+    assert _user_agents(proxy, shards=True) == {"object_store"}
+    local = _epoch(sa1b_dataset, num_workers=2)
+    keys = [k for b in result["batches"] for k in b["keys"]]
+    assert len(set(keys)) == len(keys) and set(keys) <= set(split_keys(sa1b_dataset))  # each sample once at most
+    assert result["batches"] == [{"keys": b["keys"], **{n: hashlib.sha256(b[n].numpy().tobytes()).hexdigest()
+                                                        for n in ("images", "masks", "boxes", "mask_counts")}}
+                                 for b in local]
+
+
+def _obstore_error(name: str, message: str) -> Exception:
+    import obstore.exceptions
+
+    return getattr(obstore.exceptions, name)(message)
+
+
+@pytest.mark.parametrize(("error", "expected"), [
+    (lambda: _obstore_error("GenericError", "Generic S3 error: Error performing GET http://h/b/k in 1ms - Server "
+                            "returned non-2xx status code: 503 Service Unavailable: <Code>SlowDown</Code>"), True),
+    (lambda: _obstore_error("GenericError", "Generic S3 error: ... status code: 500 Internal Server Error: "), True),
+    (lambda: _obstore_error("GenericError", "Generic S3 error: ... status code: 429 Too Many Requests: "), True),
+    (lambda: _obstore_error("GenericError", "Generic S3 error: Error performing GET http://h/b/k in 1s - HTTP error: "
+                            "error sending request"), True),  # a reset, a timeout
+    (lambda: _obstore_error("GenericError", "Generic S3 error: HTTP error: request or response body error"), True),
+    (lambda: _obstore_error("GenericError", "Generic S3 error: ... status code: 416 Range Not Satisfiable: "), False),
+    (lambda: _obstore_error("PermissionDeniedError", "The operation lacked the necessary privileges"), False),
+    (lambda: _obstore_error("UnauthenticatedError", "The operation lacked valid authentication credentials"), False),
+    (lambda: FileNotFoundError("Object at location b/k not found"), False),  # (obstore's NotFound)
+    (lambda: S3Error(503, "SlowDown", "Please reduce your request rate."), True),
+    (lambda: S3Error(400, "RequestTimeout", "Your socket connection to the server was not read from"), True),
+    (lambda: S3Error(416, "InvalidRange", "The requested range is not satisfiable"), False),
+    (lambda: PermissionError("400 ExpiredToken: The provided token has expired."), False),
+], ids=["503-slowdown", "500", "429", "reset-or-timeout", "body-cut", "416", "permission-denied", "unauthenticated",
+        "not-found", "S3Error-slowdown", "S3Error-request-timeout", "S3Error-416", "expired-token"])
+def test_obstore_failures_are_classified_for_retry(error, expected):
+    assert transient(error()) is expected

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -9,11 +10,12 @@ import glob
 import hashlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ShardError
@@ -26,27 +28,122 @@ log = logging.getLogger("pipeline.storage")
 
 
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    """An exclusive lock between processes (and threads) of this node, held while in the block. Its
-    holder removes the lock file before letting go; a waiter that got the lock of a removed file
-    tries again on whatever file is there now."""
+def _locked(path: str, wait: bool = True) -> Iterator[bool]:
+    """An exclusive lock between processes (and threads) of this node, held while in the block (which
+    is given whether it holds it: always, when it may `wait`). Its holder removes the lock file before
+    letting go; a waiter that got the lock of a removed file tries again on whatever file is there now."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
                     break
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)
     try:
-        yield
+        yield True
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         os.close(fd)  # releases the lock
+
+
+_ARRIVED = ".arrived"  # beside a download in progress: its piece length, piece count, and bytes arrived of each
+_STREAMED = "stream"  # the name of the download in progress (`.partial-stream`), where readers find it
+
+
+def _covered(table: np.ndarray, start: int, end: int) -> bool:
+    """Whether the bytes [start, end) have arrived, by the `.arrived` table."""
+    length = int(table[0])
+    for number in range(start // length, (end - 1) // length + 1 if end > start else 0):
+        if number >= int(table[1]) or number * length + int(table[2 + number]) < min(end, (number + 1) * length):
+            return False
+    return True
+
+
+def _live(fd: int) -> bool:
+    """Whether the download whose file is open at `fd` is still running (its writer holds the lock)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _pread(fd: int, start: int, end: int) -> bytes:
+    parts = []
+    while start < end:
+        part = os.pread(fd, min(end - start, 1 << 30), start)
+        if not part:
+            break
+        parts.append(part)
+        start += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class _Download:
+    """One shard's bytes written into its reserved file `fd` in pieces, several at once, each piece's
+    progress published in the `.arrived` table after its bytes are written; `run` computes the
+    SHA-256 in order as the bytes arrive, and returns it."""
+
+    def __init__(self, url: str, fd: int, arrived: int, pieces: list[tuple[int, int]],
+                 read: Callable[[int, int], Iterator[bytes]]) -> None:
+        self.url, self.fd, self.arrived, self.pieces, self.read = url, fd, arrived, pieces, read
+        self.done = [0] * len(pieces)  # bytes arrived of each piece
+        self.error: BaseException | None = None  # the first piece's failure: the others stop
+        self.changed = threading.Condition()
+
+    def run(self, parallel: int) -> str:
+        digest = hashlib.sha256()
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(parallel, len(self.pieces))), "shardstream-piece") as pool:
+            for number in range(len(self.pieces)):
+                pool.submit(self._piece, number)
+            try:
+                for number, (first, last) in enumerate(self.pieces):
+                    at = first
+                    while at < last:
+                        with self.changed:
+                            self.changed.wait_for(lambda: self.error is not None or first + self.done[number] > at)
+                            if self.error is not None:
+                                raise self.error
+                            ready = first + self.done[number]
+                        digest.update(_pread(self.fd, at, ready))
+                        at = ready
+            except BaseException as exc:
+                with self.changed:
+                    self.error = self.error or exc
+                raise
+        return digest.hexdigest()
+
+    def _piece(self, number: int) -> None:
+        first, last = self.pieces[number]
+        at = first
+        try:
+            for chunk in self.read(first, last):
+                if self.error is not None:
+                    return
+                if at + len(chunk) > last:
+                    raise ShardError(self.url, f"download: bytes {first}-{last} gave more than {last - first} bytes")
+                os.pwrite(self.fd, chunk, at)
+                at += len(chunk)
+                os.pwrite(self.arrived, np.int64(at - first).tobytes(), 8 * (2 + number))
+                with self.changed:
+                    self.done[number] = at - first
+                    self.changed.notify_all()
+            if at != last:
+                raise ShardError(self.url, f"download: bytes {first}-{last} gave {at - first} bytes")
+        except BaseException as exc:
+            with self.changed:
+                self.error = self.error or exc
+                self.changed.notify_all()
 
 
 class CacheFull(Exception):
@@ -118,33 +215,71 @@ class ShardCache:
         self._remove(path)
         return None
 
-    def fetch(self, url: str, size: int, sha256: str, fetch: Callable[[Any], None]) -> str:
-        """The local path of the shard, downloading it (`fetch(file)` writes all its bytes) if needed."""
+    def fetch(self, url: str, size: int, sha256: str, read: Callable[[int, int], Iterator[bytes]], *,
+              parallel: int = 4, piece: int = 8 << 20) -> str | None:
+        """The local path of the shard, downloading it if needed (None if another process is downloading
+        it): `read(start, end)` yields the bytes [start, end) in order. A shard over `piece` bytes downloads in up to `parallel` pieces at once.
+        While it arrives, readers in any process take the bytes already there (`read_arriving`), and
+        its SHA-256 is computed as its bytes arrive."""
         path = os.path.join(self.directory, f"{sha256}.tar")
-        with _locked(path + ".lock"):
+        with _locked(path + ".lock", wait=False) as mine:
+            if not mine:  # (another process downloads it: readers take its bytes as they arrive)
+                return None
             if (found := self.lookup(url, sha256)) is not None:  # another process fetched it meanwhile
                 return found
-            for debris in glob.glob(glob.escape(path) + ".partial-*"):  # of a killed download (we hold the lock)
+            for debris in [*glob.glob(glob.escape(path) + ".partial-*"), path + _ARRIVED]:  # (we hold the lock)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(debris)
-            partial = f"{path}.partial-{uuid.uuid4().hex}"
-            fd = self._room(partial, size, url)
+            length = max(piece, -(-size // parallel))
+            pieces = [(first, min(first + length, size)) for first in range(0, size, length)]
+            arrived = os.open(path + _ARRIVED, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            partial = f"{path}.partial-{_STREAMED}"
             try:
-                with os.fdopen(os.dup(fd), "r+b") as f:
-                    fetch(f)
-                    if f.tell() != size:
-                        raise ShardError(url, f"download gave {f.tell()} bytes, the manifest says {size}")
-                digest = sha256_file(partial)
-                if digest != sha256:
-                    raise ShardError(url, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
-                with self.locked():  # (one that makes room would miss it between its listing and its count)
-                    os.replace(partial, path)  # (the reserved bytes become the shard's)
+                os.pwrite(arrived, np.array([length, len(pieces), *[0] * len(pieces)], np.int64).tobytes(), 0)
+                fd = self._room(partial, size, url)
+                try:
+                    digest = _Download(url, fd, arrived, pieces, read).run(parallel)
+                    if digest != sha256:
+                        raise ShardError(url, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
+                    with self.locked():  # (one that makes room would miss it between its listing and its count)
+                        os.replace(partial, path)  # (the reserved bytes become the shard's)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(partial)
+                    os.close(fd)
             finally:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(partial)
-                os.close(fd)
+                    os.unlink(path + _ARRIVED)
+                os.close(arrived)
         log.debug("cached %s as %s", url, path)
         return self.lookup(url, sha256) or path
+
+    def read_arriving(self, sha256: str, start: int, end: int, patience: float = 60.0) -> bytes | None:
+        """Bytes [start, end) of a shard being downloaded (by any process sharing the cache), once they
+        have arrived; None if no download of it is running, or it ends or stalls (`patience` seconds
+        without the bytes): then look it up, or read it by range."""
+        path = os.path.join(self.directory, f"{sha256}.tar")
+        try:
+            fd = os.open(f"{path}.partial-{_STREAMED}", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            deadline, pause = time.monotonic() + patience, 0.001
+            while True:
+                try:
+                    with open(path + _ARRIVED, "rb") as f:
+                        table = np.frombuffer(f.read(), np.int64)
+                except FileNotFoundError:  # (finished, or failed: the caller looks it up)
+                    return None
+                if len(table) >= 2 and len(table) == 2 + table[1] and _covered(table, start, end):
+                    data = _pread(fd, start, end)
+                    return data if len(data) == end - start else None
+                if not _live(fd) or time.monotonic() > deadline:
+                    return None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.02)
+        finally:
+            os.close(fd)
 
     def small(self, name: str, sha256: str | None, fetch: Callable[[], bytes]) -> bytes:
         """A small file (a shard index, a manifest) kept whole under `name`: read from the cache if

@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -18,22 +18,25 @@ import fsspec
 from pipeline.errors import ShardError
 from pipeline.format import ShardIndex, ShardInfo
 from pipeline.storage.cache import CacheFull, ShardCache
-from pipeline.storage.fs import PIECE_BYTES, filesystem, is_local, join, read_range, shard_url
+from pipeline.storage.fs import PIECE_BYTES, filesystem, is_local, join, shard_url
 from pipeline.storage.local import MappedFiles
 from pipeline.storage.meta import read_index
-from pipeline.storage.retry import Retry, describe, with_retries
+from pipeline.storage.ranged import Ranged, ranged_reader
+from pipeline.storage.retry import Retry, describe
 
-__all__ = ["ShardReader"]
+__all__ = ["DOWNLOADS", "ShardReader"]
 
 log = logging.getLogger("pipeline.storage")
+DOWNLOADS = 4  # shards a process downloads into the cache at once
 
 
 class ShardReader:
     """Reads samples of one dataset's shards by byte range, with retries, from storage or the cache.
 
-    With a cache, a shard not cached yet is downloaded whole in a background thread while its
-    samples keep streaming by byte range: the first batch never waits for whole shards.
-    Build it in the process that reads (a DataLoader worker).
+    With a cache, a shard not cached yet is downloaded whole in the background, by one process of
+    the node (`DOWNLOADS` at a time per process), and its samples are taken from the download as
+    they arrive (in any process): no sample waits for a whole shard, and a shard's bytes cross the
+    network once per node. Build it in the process that reads (a DataLoader worker).
 
     Local shards (in place or cached) are memory-mapped under read leases (`local.MappedFiles`)."""
 
@@ -48,26 +51,25 @@ class ShardReader:
         self.cache = None if is_local(self.fs) else cache  # local shards are read in place
         self._indexes: collections.OrderedDict[str, ShardIndex] = collections.OrderedDict()
         self._index_limit, self._index_held = index_bytes, 0
-        self._downloads: dict[str, concurrent.futures.Future[str]] = {}
-        self._waiting: dict[str, tuple[int, str]] = {}  # wanted before `start_downloads`
-        self._started = False
+        self._downloads: dict[str, concurrent.futures.Future[str | None]] = {}
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.mapped = MappedFiles(root)  # local shards, in place or cached
         self._verified = verified
         self._index: dict[str, int] | None = None  # shard name -> row of `verified`
         self._storage_options = storage_options
-        self._places: dict[str, tuple[fsspec.AbstractFileSystem, str, str]] = {}
+        self._places: dict[str, tuple[fsspec.AbstractFileSystem, str, str, Ranged]] = {}
 
-    def _place(self, name: str) -> tuple[fsspec.AbstractFileSystem, str, str]:
-        """(filesystem, path, URL) of a shard: in the dataset's folder, or where its absolute name says
-        (an archive indexed in place: another bucket, or object storage under a local dataset)."""
+    def _place(self, name: str) -> tuple[fsspec.AbstractFileSystem, str, str, Ranged]:
+        """(filesystem, path, URL, ranged reader: its scheme's client, `ranged.CLIENTS`) of a shard: in the
+        dataset's folder, or where its absolute name says (an archive indexed in place: another bucket,
+        or object storage under a local dataset)."""
         found = self._places.get(name)
         if found is None:
             url = shard_url(self.root, name)
             fs, path = (self.fs, join(self.base, name)) if url == join(self.root, name) else \
                 filesystem(url, self._storage_options)
-            found = self._places.setdefault(name, (fs, path, url))
+            found = self._places.setdefault(name, (fs, path, url, ranged_reader(url, self._storage_options, self.retry)))
         return found
 
     def holds_index(self, name: str) -> bool:
@@ -93,26 +95,22 @@ class ShardReader:
 
     def size(self, name: str, key: str) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages)."""
-        fs, path, url = self._place(name)
-        try:
-            return with_retries(self.retry, url, lambda: fs.size(path))
-        except FileNotFoundError as exc:
-            raise ShardError(url, f"sample {key!r}: shard is missing") from exc
-        except Exception as exc:
-            raise ShardError(url, f"sample {key!r}: cannot stat shard: {describe(exc)}") from exc
+        return self._place(name)[3].size(key)
 
     def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str) -> bytes | memoryview:
         """Bytes [start, end) of a shard: a view of the file mapped in memory when it is on local disk
-        (in place or in the cache: no copy), else read by range."""
-        fs, path, url = self._place(name)
+        (in place or in the cache: no copy); with a cache, from its download while it arrives (started
+        here if no process of the node runs it); else read by range."""
+        fs, path, url, ranged = self._place(name)
         if self.cache is not None:
-            local = self.cache.lookup(url, sha256)
-            if local is not None:
-                with contextlib.suppress(FileNotFoundError):  # (evicted meanwhile: stream)
-                    data = self.mapped.read(local, url, start, end)
-                    if len(data) == end - start:
-                        return data
-            self._download(name, size, sha256)
+            data = self._cached(url, sha256, start, end)
+            if data is None:
+                self._download(name, size, sha256)
+                data = self.cache.read_arriving(sha256, start, end)
+            if data is None:
+                data = self._cached(url, sha256, start, end)  # (finished meanwhile)
+            if data is not None:
+                return data
         elif is_local(fs):
             try:
                 if self._verified is not None:
@@ -132,7 +130,18 @@ class ShardReader:
         if self._verified is not None:  # (an archive indexed in place, on object storage under a local dataset)
             raise ShardError(url, f"sample {key!r}: verify='sha256' checks shards on local disk; this one is on object "
                              "storage (`shard-pack verify` checks it)")
-        return read_range(fs, path, url, start, end, key, self.retry)
+        return ranged.read(start, end, key)
+
+    def _cached(self, url: str, sha256: str, start: int, end: int) -> bytes | memoryview | None:
+        """Bytes [start, end) of the shard from the cache (mapped), or None if it is not cached."""
+        assert self.cache is not None
+        local = self.cache.lookup(url, sha256)
+        if local is not None:
+            with contextlib.suppress(FileNotFoundError):  # (evicted meanwhile)
+                data = self.mapped.read(local, url, start, end)
+                if len(data) == end - start:
+                    return data
+        return None
 
     def _verify(self, name: str, path: str, url: str, sha256: str) -> None:
         """Check a local shard's SHA-256 against the manifest's, unless the shared table says the file
@@ -167,21 +176,10 @@ class ShardReader:
         finally:
             os.close(fd)  # (and the lock)
 
-    def start_downloads(self) -> None:
-        """Let background downloads begin (after the first batch: they would slow it down)."""
-        with self._lock:
-            self._started, waiting = True, list(self._waiting.items())
-            self._waiting.clear()
-        for name, args in waiting:
-            self._download(name, *args)
-
     def _download(self, name: str, size: int, sha256: str) -> None:
         assert self.cache is not None
-        cache, (fs, path, url) = self.cache, self._place(name)
+        cache, (_, _, url, ranged) = self.cache, self._place(name)
         with self._lock:
-            if not self._started:
-                self._waiting[name] = (size, sha256)
-                return
             running = self._downloads.get(name)
             if running is not None and not running.done():
                 return
@@ -190,13 +188,13 @@ class ShardReader:
                 log.log(logging.INFO if isinstance(failed, CacheFull) else logging.WARNING,
                         "%s: caching failed (%s); trying again", url, failed)
             if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardstream-cache")
+                self._pool = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="shardstream-cache")
 
-            def fetch(f: Any) -> None:
-                for offset in range(0, size, 8 * PIECE_BYTES):
-                    f.write(read_range(fs, path, url, offset, min(offset + 8 * PIECE_BYTES, size), None, self.retry))
+            def read(start: int, end: int) -> Iterator[bytes]:
+                for offset in range(start, end, PIECE_BYTES):
+                    yield ranged.read(offset, min(offset + PIECE_BYTES, end))
 
-            self._downloads[name] = self._pool.submit(cache.fetch, url, size, sha256, fetch)
+            self._downloads[name] = self._pool.submit(cache.fetch, url, size, sha256, read)
 
     def settle(self) -> None:
         """Wait for the background downloads (the end of an epoch); a failed one is logged, not raised:

@@ -1,21 +1,32 @@
 """One retry policy for every storage request: transient failures (HTTP 5xx, 429/SlowDown, a
 connection reset, a body cut short, a timeout) are tried again after an exponential backoff with
-jitter; anything else (a missing object, bad credentials) fails at once."""
+jitter; anything else (a missing object, bad credentials) fails at once. The clients' own retry
+loops are off (botocore's and s3fs's in `fs`, obstore's in `s3`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import random
+import re
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["Retry", "Truncated", "describe", "transient", "with_retries"]
+__all__ = ["Retry", "Truncated", "describe", "http_status", "transient", "with_retries"]
 
 log = logging.getLogger("pipeline.storage")
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 _TRANSPORT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http")
+# S3 error codes of answers that may succeed if tried again, whatever their status (botocore's list,
+# less those of other services): throttling, and the server's own timeout of a slow request.
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "RequestLimitExceeded",
+                    "BandwidthLimitExceeded", "RequestTimeout", "RequestTimeoutException", "InternalError",
+                    "ServiceUnavailable"}
+# obstore's errors that a try again cannot mend (FileNotFoundError is raised as the builtin).
+_OBSTORE_PERMANENT = {"NotFoundError", "PermissionDeniedError", "UnauthenticatedError", "InvalidPathError",
+                      "NotSupportedError", "AlreadyExistsError", "PreconditionError", "NotModifiedError",
+                      "UnknownConfigurationKeyError"}
 T = TypeVar("T")
 
 
@@ -42,10 +53,28 @@ def transient(exc: BaseException) -> bool:
     """Whether a storage failure may go away if tried again."""
     if isinstance(exc, _PERMANENT):
         return False
-    status = getattr(exc, "status", None)  # aiohttp / http responses
-    if isinstance(status, int):
+    code = getattr(exc, "code", None)  # (an S3 answer: `s3.S3Error`)
+    if isinstance(code, str) and code in _TRANSIENT_CODES:
+        return True
+    status = http_status(exc)
+    if status is not None:
         return status >= 500 or status == 429
-    return isinstance(exc, (OSError, TimeoutError, Truncated)) or type(exc).__module__.split(".")[0] in _TRANSPORT_MODULES
+    module = type(exc).__module__.split(".")[0]
+    if module == "obstore":  # (raised by obstore itself, not through `s3`): a failure of the transport
+        return type(exc).__name__ not in _OBSTORE_PERMANENT and "HTTP error" in str(exc)
+    return isinstance(exc, (OSError, TimeoutError, Truncated)) or module in _TRANSPORT_MODULES
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status of a failed request: its `status` (aiohttp, http, `s3.S3Error`), or the one
+    obstore's message states; None where no answer came."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return status
+    if type(exc).__module__.split(".")[0] == "obstore":
+        found = re.search(r"status code: (\d{3})", str(exc))
+        return int(found.group(1)) if found else None
+    return None
 
 
 class Truncated(Exception):

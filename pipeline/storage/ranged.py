@@ -1,0 +1,71 @@
+"""Ranged reads of shards, a client per URL scheme from a table (`CLIENTS`): a scheme whose hot path
+needs a lean client names its factory there (one module, one line); every other URL, and one whose
+factory declines (options it cannot honour, no library), is read through fsspec.
+
+Either way the reads go through `fs.read_range`: pieces of `PIECE_BYTES`, each retried under one
+`Retry` (a retry redoes one piece), errors naming the URL and the sample."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from pipeline.errors import ShardError
+from pipeline.storage import s3
+from pipeline.storage.fs import filesystem, read_range
+from pipeline.storage.retry import Retry, describe, with_retries
+
+__all__ = ["CLIENTS", "Client", "Ranged", "ranged_reader"]
+
+
+class Client(Protocol):
+    """What a ranged client does, one request per call, by fsspec's names (so a filesystem is one)."""
+
+    def cat_file(self, path: str, start: int, end: int) -> Any: ...  # bytes [start, end), or a buffer of them
+
+    def size(self, path: str) -> int: ...
+
+
+# scheme -> factory(url, storage_options): (a client made in this process, the object's path for it),
+# or None to leave the URL to fsspec.
+CLIENTS: dict[str, Callable[[str, dict[str, Any] | None], tuple[Client, str] | None]] = {
+    "s3": s3.client,
+    "s3a": s3.client,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranged:
+    """One shard's bytes by range, and its size, through its scheme's client."""
+
+    client: Client
+    path: str
+    url: str
+    retry: Retry
+
+    def read(self, start: int, end: int, key: str | None = None) -> bytes:
+        """Bytes [start, end) (of sample `key`, for messages): a ShardError if the shard is missing, is
+        short, or fails past the retries."""
+        return read_range(self.client, self.path, self.url, start, end, key, self.retry)  # type: ignore[arg-type]
+
+    def size(self, key: str | None = None) -> int:
+        """The shard's size in bytes (when reading sample `key`, for messages)."""
+        what = f"sample {key!r}: " if key is not None else ""
+        try:
+            return with_retries(self.retry, self.url, lambda: self.client.size(self.path))
+        except FileNotFoundError as exc:
+            raise ShardError(self.url, f"{what}shard is missing") from exc
+        except Exception as exc:
+            raise ShardError(self.url, f"{what}cannot stat shard: {describe(exc)}") from exc
+
+
+def ranged_reader(url: str, storage_options: dict[str, Any] | None, retry: Retry) -> Ranged:
+    """The ranged reader of a URL: its scheme's client from `CLIENTS`, else fsspec's filesystem. Call
+    it in the process that reads: clients are not fork-safe."""
+    factory = CLIENTS.get(url.partition("://")[0]) if "://" in url else None
+    found = factory(url, storage_options) if factory is not None else None
+    if found is None:
+        fs, path = filesystem(url, storage_options)
+        return Ranged(fs, path, url, retry)
+    return Ranged(found[0], found[1], url, retry)
