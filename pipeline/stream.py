@@ -134,7 +134,8 @@ class ShardStream(IterableDataset):
         asked, last = 0, 0  # batches asked for; the first batch of the last chunk asked for
         try:
             for i, (batch, _, _) in enumerate(plan):
-                while asked < len(plan) and (asked <= i + cfg.read_ahead or (chunks and cfg.read_ahead and i >= last)):
+                ahead = cfg.read_ahead if i or not chunks else 0  # (from object storage, the first batch's reads alone)
+                while asked < len(plan) and (asked <= i + ahead or (chunks and ahead and i >= last)):
                     last, wheres = asked, []
                     for later in range(asked, min(asked + (next(chunks) if chunks else 1), len(plan))):
                         more, prepared[later] = self._prepare(reads, *plan[later][1:])

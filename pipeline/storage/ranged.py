@@ -16,7 +16,7 @@ from pipeline.storage import s3
 from pipeline.storage.fs import filesystem, read_range
 from pipeline.storage.retry import Retry, describe, with_retries
 
-__all__ = ["CLIENTS", "Client", "Ranged", "ranged_reader"]
+__all__ = ["CLIENTS", "Client", "Ranged", "client_for", "ranged_reader"]
 
 
 class Client(Protocol):
@@ -60,12 +60,14 @@ class Ranged:
             raise ShardError(self.url, f"{what}cannot stat shard: {describe(exc)}") from exc
 
 
-def ranged_reader(url: str, storage_options: dict[str, Any] | None, retry: Retry) -> Ranged:
-    """The ranged reader of a URL: its scheme's client from `CLIENTS`, else fsspec's filesystem. Call
-    it in the process that reads: clients are not fork-safe."""
+def client_for(url: str, storage_options: dict[str, Any] | None) -> tuple[Client, str]:
+    """(the client, the path for it) of a URL: its scheme's from `CLIENTS`, else fsspec's filesystem.
+    Call it in the process that reads: clients are not fork-safe."""
     factory = CLIENTS.get(url.partition("://")[0]) if "://" in url else None
     found = factory(url, storage_options) if factory is not None else None
-    if found is None:
-        fs, path = filesystem(url, storage_options)
-        return Ranged(fs, path, url, retry)
-    return Ranged(found[0], found[1], url, retry)
+    return found if found is not None else filesystem(url, storage_options)  # type: ignore[return-value]
+
+
+def ranged_reader(url: str, storage_options: dict[str, Any] | None, retry: Retry) -> Ranged:
+    """The ranged reader of a URL, through `client_for`'s client."""
+    return Ranged(*client_for(url, storage_options), url, retry)

@@ -21,7 +21,7 @@ from pipeline.storage.cache import CacheFull, ShardCache
 from pipeline.storage.fs import PIECE_BYTES, filesystem, is_local, join, shard_url
 from pipeline.storage.local import MappedFiles
 from pipeline.storage.meta import read_index
-from pipeline.storage.ranged import Ranged, ranged_reader
+from pipeline.storage.ranged import Ranged, client_for, ranged_reader
 from pipeline.storage.retry import Retry, describe
 
 __all__ = ["DOWNLOADS", "ShardReader"]
@@ -59,6 +59,7 @@ class ShardReader:
         self._index: dict[str, int] | None = None  # shard name -> row of `verified`
         self._storage_options = storage_options
         self._places: dict[str, tuple[fsspec.AbstractFileSystem, str, str, Ranged]] = {}
+        self._client: tuple[Any, str] | None = None  # (ranged client, path) of the dataset's folder
 
     def _place(self, name: str) -> tuple[fsspec.AbstractFileSystem, str, str, Ranged]:
         """(filesystem, path, URL, ranged reader: its scheme's client, `ranged.CLIENTS`) of a shard: in the
@@ -83,7 +84,9 @@ class ShardReader:
             if found is not None:
                 self._indexes.move_to_end(shard.name)
                 return found
-        index = read_index(self.fs, self.base, self.root, shard, self.retry, self.cache)
+        if self._client is None:  # (index files through the scheme's lean client, as shards are)
+            self._client = client_for(self.root, self._storage_options)
+        index = read_index(*self._client, self.root, shard, self.retry, self.cache)  # type: ignore[arg-type]
         if shard.index is not None:
             with self._lock:
                 if shard.name not in self._indexes:
