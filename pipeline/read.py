@@ -144,6 +144,7 @@ class SampleReads:
         self.inflight: dict[Where, concurrent.futures.Future[list[tuple[int, bytes | memoryview, Members | None]]]] = {}
         self.taken: dict[Where, list[bytes | memoryview]] = {}  # taken and not kept open: released when `done`
         self.amplification = config.read_amplification
+        self.downloads = True  # into the shard cache (False: the reads of the first batch, until `start_downloads`)
         self.spanned = [config.read_ahead_bytes > 0 and not is_local(r.fs) for r in readers]  # by source
 
     def close(self) -> None:
@@ -223,7 +224,7 @@ class SampleReads:
         """One sample's bytes (in a reader thread), a request per range: (start, bytes, its members) each."""
         info, key, ranges = self._ranges(where)
         reader = self.readers[where[0]]
-        return [(start, reader.read(info.name, info.bytes, info.sha256, start, end, key), group)
+        return [(start, reader.read(info.name, info.bytes, info.sha256, start, end, key, self.downloads), group)
                 for start, end, group in ranges]
 
     def _read_spans(self, wheres: list[Where], futures: list[concurrent.futures.Future]) -> None:
@@ -253,7 +254,7 @@ class SampleReads:
         def read(first: int, last: int, members: list[int]) -> None:
             samples = list(dict.fromkeys(items[m][0] for m in members))
             try:
-                data = memoryview(reader.read(info.name, info.bytes, info.sha256, first, last, None))  # type: ignore[arg-type]
+                data = memoryview(reader.read(info.name, info.bytes, info.sha256, first, last, None, self.downloads))
             except Exception as exc:
                 for i in samples:
                     with lock:
@@ -314,6 +315,12 @@ class SampleReads:
         for data in self.taken.pop(where, ()):
             release_pages(data)
 
+    def start_downloads(self) -> None:
+        self.downloads = True
+        for reader in self.readers:
+            reader.start_downloads()
+
     def settle(self) -> None:
+        self.start_downloads()  # (an epoch of one batch)
         for reader in self.readers:
             reader.settle()

@@ -134,7 +134,13 @@ class ShardStream(IterableDataset):
         asked, last = 0, 0  # batches asked for; the first batch of the last chunk asked for
         try:
             for i, (batch, _, _) in enumerate(plan):
-                ahead = cfg.read_ahead if i or not chunks else 0  # (from object storage, the first batch's reads alone)
+                # From object storage, the first batch's reads alone (by range: not waiting for the shard cache's
+                # downloads), then read-ahead and downloads (they would compete with them).
+                ahead = cfg.read_ahead if i or not chunks else 0
+                if i == 0 and chunks:
+                    reads.downloads = False
+                elif i == 1:
+                    reads.start_downloads()
                 while asked < len(plan) and (asked <= i + ahead or (chunks and ahead and i >= last)):
                     last, wheres = asked, []
                     for later in range(asked, min(asked + (next(chunks) if chunks else 1), len(plan))):

@@ -52,6 +52,7 @@ class ShardReader:
         self._indexes: collections.OrderedDict[str, ShardIndex] = collections.OrderedDict()
         self._index_limit, self._index_held = index_bytes, 0
         self._downloads: dict[str, concurrent.futures.Future[str | None]] = {}
+        self._deferred: dict[str, tuple[int, str]] = {}  # shards to download once downloads start
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.mapped = MappedFiles(root)  # local shards, in place or cached
@@ -100,16 +101,21 @@ class ShardReader:
         """The shard's size in bytes (when reading sample `key`, for messages)."""
         return self._place(name)[3].size(key)
 
-    def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str) -> bytes | memoryview:
+    def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str | None,
+             download: bool = True) -> bytes | memoryview:
         """Bytes [start, end) of a shard: a view of the file mapped in memory when it is on local disk
         (in place or in the cache: no copy); with a cache, from its download while it arrives (started
-        here if no process of the node runs it); else read by range."""
+        here if no process of the node runs it; not to `download`: only bytes already there, and the
+        download waits for `start_downloads`); else read by range."""
         fs, path, url, ranged = self._place(name)
         if self.cache is not None:
             data = self._cached(url, sha256, start, end)
             if data is None:
-                self._download(name, size, sha256)
-                data = self.cache.read_arriving(sha256, start, end)
+                if download:
+                    self._download(name, size, sha256)
+                else:
+                    self._deferred.setdefault(name, (size, sha256))
+                data = self.cache.read_arriving(sha256, start, end, patience=60.0 if download else 0.0)
             if data is None:
                 data = self._cached(url, sha256, start, end)  # (finished meanwhile)
             if data is not None:
@@ -178,6 +184,12 @@ class ShardReader:
             log.debug("%s: SHA-256 checked", url)
         finally:
             os.close(fd)  # (and the lock)
+
+    def start_downloads(self) -> None:
+        """Start the downloads of the shards read while not to `download` (the first batch's)."""
+        deferred, self._deferred = self._deferred, {}
+        for name, (size, sha256) in deferred.items():
+            self._download(name, size, sha256)
 
     def _download(self, name: str, size: int, sha256: str) -> None:
         assert self.cache is not None
