@@ -94,7 +94,7 @@ def _object_storage(src: pathlib.Path, local: pathlib.Path, args: argparse.Names
     try:
         server.start()
     except RuntimeError as exc:
-        print(f"skipped: {exc}\n(point the loader at any bucket with storage_options; see README, Object storage)")
+        print(f"skipped: {exc}\n(point the loader at any bucket with storage_options; see docs/object-storage.md)")
         return 0
     saved = {name: os.environ.get(name) for name in [*AWS_ENV, "AWS_ENDPOINT_URL"]}
     os.environ.update({**AWS_ENV, "AWS_ENDPOINT_URL": server.endpoint})  # shard-pack reads credentials as s3fs does

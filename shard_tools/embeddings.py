@@ -57,7 +57,7 @@ _SAFETENSORS_DTYPES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
     "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": BFLOAT16, "F32": "float32", "F64": "float64",
 }
-_EXTRA_HELP = "pip install 'shardstream[embeddings]'"
+_EXTRA_HELP = "install the package's embeddings extra, or pip install 'safetensors>=0.4'"
 _PICKLED = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin", ".joblib")
 _PICKLE_HELP = ("loading it would run pickle, which can execute arbitrary code, so shard-pack never does. Save "
                 "the tensor as .safetensors (safetensors.torch.save_file({'name': tensor}, 'x.safetensors'); keeps "
