@@ -298,6 +298,25 @@ def test_a_cut_long_read_resumes_from_the_piece_reached(remote, sa1b_dataset, pr
     assert ranges == pieces[:3] + pieces[2:]  # only the cut piece is asked for twice
 
 
+def test_a_cut_stream_resumes_from_the_byte_reached(remote, sa1b_dataset, proxy, monkeypatch):
+    """A download streams a shard by one request; cut, it is asked for again from the byte reached."""
+    monkeypatch.setattr(storage.s3, "STREAM_CHUNK", 256)
+    shard = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m").splits["train"][0]
+    reader = ranged_reader(f"{remote}/{shard.name}", storage_options(proxy.endpoint), FAST)
+    assert hasattr(reader.client, "stream")  # (the lean client)
+    proxy.fault("cut", count=1, after_bytes=1000, match=_is_shard_read)
+    data = b"".join(bytes(chunk) for chunk in reader.stream(0, shard.bytes))
+    assert data == pathlib.Path(sa1b_dataset, shard.name).read_bytes()
+    first, second = (r.headers["range"] for r in proxy.gets())
+    resumed = int(second.removeprefix("bytes=").split("-")[0])
+    assert first == f"bytes=0-{shard.bytes - 1}" and 0 < resumed <= 1000, (first, second)  # (not from 0)
+    proxy.clear()
+    proxy.fault("reset", count=1000, match=_is_shard_read)
+    with pytest.raises(ShardError, match=rf"{shard.name}: cannot read bytes 0-{shard.bytes} after 4 tries"):
+        list(reader.stream(0, shard.bytes))
+    assert proxy.served("reset") == 4
+
+
 def test_stall_past_the_read_timeout_is_retried(remote, sa1b_dataset, proxy):
     proxy.fault("stall", count=1, seconds=4, match=_is_shard_read)
     options = storage_options(proxy.endpoint, read_timeout=1, connect_timeout=1)

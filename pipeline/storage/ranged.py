@@ -8,15 +8,19 @@ Either way the reads go through `fs.read_range`: pieces of `PIECE_BYTES`, each r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from pipeline.errors import ShardError
 from pipeline.storage import s3
-from pipeline.storage.fs import filesystem, read_range
-from pipeline.storage.retry import Retry, describe, with_retries
+from pipeline.storage.fs import PIECE_BYTES, filesystem, read_range
+from pipeline.storage.retry import Retry, Truncated, describe, transient, with_retries
 
 __all__ = ["CLIENTS", "Client", "Ranged", "client_for", "ranged_reader"]
+
+log = logging.getLogger("pipeline.storage")
 
 
 class Client(Protocol):
@@ -48,6 +52,34 @@ class Ranged:
         """Bytes [start, end) (of sample `key`, for messages): a ShardError if the shard is missing, is
         short, or fails past the retries."""
         return read_range(self.client, self.path, self.url, start, end, key, self.retry)  # type: ignore[arg-type]
+
+    def stream(self, start: int, end: int) -> Iterator[bytes | memoryview]:
+        """Bytes [start, end) in order as they arrive: by one request where the client streams
+        (resumed from the byte reached after a transient failure: a try counts from the last byte
+        that arrived), else by `read` in pieces of `PIECE_BYTES`. Fails as `read` does."""
+        if not hasattr(self.client, "stream"):
+            for first in range(start, end, PIECE_BYTES):
+                yield self.read(first, min(first + PIECE_BYTES, end))
+            return
+        at, failures = start, 0
+        while at < end:
+            try:
+                for chunk in self.client.stream(self.path, at, end):
+                    yield chunk
+                    at, failures = at + len(chunk), 0
+                if at != end:
+                    raise Truncated(f"bytes {at}-{end}: the body ended early")
+            except FileNotFoundError as exc:
+                raise ShardError(self.url, "shard is missing") from exc
+            except Exception as exc:
+                failures += 1
+                if not transient(exc) or failures == self.retry.attempts:
+                    tries = f" after {failures} tries" if transient(exc) else ""
+                    raise ShardError(self.url, f"cannot read bytes {at}-{end}{tries}: {describe(exc)}") from exc
+                wait = self.retry.delay(failures)
+                log.info("%s bytes %d-%d: %r; try %d of %d in %.2f s", self.url, at, end, exc, failures + 1,
+                         self.retry.attempts, wait)
+                time.sleep(wait)
 
     def size(self, key: str | None = None) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages)."""

@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import fsspec
@@ -18,7 +18,7 @@ import fsspec
 from pipeline.errors import ShardError
 from pipeline.format import ShardIndex, ShardInfo
 from pipeline.storage.cache import CacheFull, ShardCache
-from pipeline.storage.fs import PIECE_BYTES, filesystem, is_local, join, shard_url
+from pipeline.storage.fs import filesystem, is_local, join, shard_url
 from pipeline.storage.local import MappedFiles
 from pipeline.storage.meta import read_index
 from pipeline.storage.ranged import Ranged, client_for, ranged_reader
@@ -205,11 +205,7 @@ class ShardReader:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="shardstream-cache")
 
-            def read(start: int, end: int) -> Iterator[bytes]:
-                for offset in range(start, end, PIECE_BYTES):
-                    yield ranged.read(offset, min(offset + PIECE_BYTES, end))
-
-            self._downloads[name] = self._pool.submit(cache.fetch, url, size, sha256, read)
+            self._downloads[name] = self._pool.submit(cache.fetch, url, size, sha256, ranged.stream)
 
     def settle(self) -> None:
         """Wait for the background downloads (the end of an epoch); a failed one is logged, not raised:

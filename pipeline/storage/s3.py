@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from pipeline.storage.retry import Truncated
@@ -26,6 +27,7 @@ from pipeline.storage.retry import Truncated
 __all__ = ["S3Client", "S3Error", "client"]
 
 log = logging.getLogger("pipeline.storage")
+STREAM_CHUNK = 1 << 20  # a streamed download's bytes are handed over (and shown to readers) this many at a time
 
 # s3fs options that change nothing in a ranged read or a HEAD (listing, caching, uploads).
 _NO_EFFECT = {"default_block_size", "default_fill_cache", "default_cache_type", "use_listings_cache",
@@ -66,6 +68,17 @@ class S3Client:
         self._check()
         try:
             return obstore.get_range(self.store, path, start=start, end=end)  # type: ignore[return-value]
+        except Exception as exc:
+            _raise(exc, f"s3://{self.bucket}/{path}")
+
+    def stream(self, path: str, start: int, end: int) -> Iterator[memoryview]:
+        """Bytes [start, end) by one request, as they arrive (pieces of `STREAM_CHUNK` bytes or more, but the last)."""
+        import obstore
+
+        self._check()
+        try:
+            for piece in obstore.get(self.store, path, options={"range": (start, end)}).stream(min_chunk_size=STREAM_CHUNK):
+                yield memoryview(piece)
         except Exception as exc:
             _raise(exc, f"s3://{self.bucket}/{path}")
 
