@@ -1,16 +1,20 @@
 """Object-storage benchmark: the SA-1B task streamed from SeaweedFS (S3 on 127.0.0.1) vs local disk.
 
-    python bench/s3_loader.py [--images 128] [--workers 2] [--repeats 3]     (or: make bench-s3)
+    python bench/s3_loader.py [--images 256] [--shard-samples 16] [--workers 2] [--repeats 3]
+                                                                           (or: make bench-s3)
 
-The shards of `bench/sa1b_loader.py` are uploaded to a SeaweedFS server started for the run
-(`weed mini`, loopback only). Four ways of reading them, interleaved in rounds so that load on
-the machine hits them alike, each with a fresh loader per epoch (num_workers=2, batch 8, image
-1024, masks 256, max 64):
+The images of `bench/sa1b_loader.py`, packed `--shard-samples` to a shard, are uploaded to a
+SeaweedFS server started for the run (`weed mini`, loopback only, on the loader's cores). The
+ways of reading them, interleaved in rounds so that load on the machine hits them alike, each
+with a fresh loader per epoch (num_workers=2, batch 8, image 1024, masks 256, max 64):
   local      the folder on local disk
   s3         s3://bucket/sa1b by byte range, no cache: samples of a shard read ahead in merged spans
   s3 1/smp   the same, one request per sample (read_ahead_bytes=0): the reference for spans
   s3 cold    with cache_dir/cache_limit, the cache emptied before the epoch
   s3 warm    the same cache, filled by an earlier epoch
+  wds s3     webdataset reading the same tars from the same server its documented way (`pipe:curl`
+             of each whole tar, by presigned URL), its shuffle buffer of 1000, decoded and collated
+             by this project's SA-1B decode in its workers (bench/sa1b_peers.py's PeerDecode)
 Time to first batch runs from `make_stream_loader()` to the first batch in hand (worker start
 included); samples/s from the first batch to the end of the epoch; CPU ms per sample of this
 process and its DataLoader workers together (the server's not included). Medians over the rounds.
@@ -32,7 +36,8 @@ import sys
 import tempfile
 import time
 
-from sa1b_loader import SETTINGS, prepare  # (bench/ is on the path of a script run from it)
+from sa1b_loader import SETTINGS, packed  # (bench/ is on the path of a script run from it)
+from sa1b_peers import WDS_SHUFFLE, PeerDecode
 
 from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 
@@ -64,16 +69,37 @@ def epoch(source: str, workers: int, **kwargs) -> tuple[float, float, float]:
     return ready - start, (n - SETTINGS["batch_size"]) / (end - ready), 1000 * (_cpu() - cpu) / n
 
 
+def wds_epoch(urls: list[str], workers: int) -> tuple[float, float, float]:
+    """`epoch` for webdataset over `urls`, decoded by this project's SA-1B decode in its workers."""
+    import webdataset as wds
+
+    cpu, start = _cpu(), time.perf_counter()
+    decode = PeerDecode(**{k: v for k, v in SETTINGS.items() if k != "batch_size"})
+    dataset = (wds.WebDataset(urls, shardshuffle=len(urls), seed=0, empty_check=False)
+               .shuffle(WDS_SHUFFLE)
+               .map(lambda item: decode.sample(item, item["__key__"], item["__url__"]))
+               .batched(SETTINGS["batch_size"], collation_fn=decode.batch, partial=False))
+    it = iter(wds.WebLoader(dataset, batch_size=None, num_workers=workers))
+    first = next(it)
+    ready = time.perf_counter()
+    n = sum(len(batch["keys"]) for batch in it)
+    end = time.perf_counter()
+    n += len(first["keys"])
+    del first, it
+    return ready - start, (n - SETTINGS["batch_size"]) / (end - ready), 1000 * (_cpu() - cpu) / n
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=128)
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--shard-samples", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     import s3fs
 
-    shards = prepare(args.images) / "shards"
+    shards = packed(args.images, args.shard_samples)
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench-s3-"))
     server = SeaweedFS(work / "seaweedfs")
     server.start()
@@ -83,11 +109,15 @@ def main() -> None:
         fs.mkdir("bench")
         fs.put(str(shards) + "/", "bench/sa1b/", recursive=True)
         size = sum(p.stat().st_size for p in shards.glob("*.tar"))
-        print(f"data: {args.images} images at 1500x2250 in {len(list(shards.glob('*.tar')))} shards "
+        print(f"data: {args.images} images at 1500x2250 in {len(list(shards.glob('*.tar')))} shards of "
+              f"{args.shard_samples} "
               f"({size / 1e6:.0f} MB), uploaded to {server.endpoint}; settings {SETTINGS}, num_workers={args.workers}")
         remote, cache = "s3://bench/sa1b", work / "cache"
 
         def ways(options: dict) -> dict:
+            signer = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+            urls = [f"pipe:curl -s -f '{signer.sign(f'bench/sa1b/{p.name}', expiration=7200)}'"
+                    for p in sorted(shards.glob("train-*.tar"))]
             return {
                 "local": lambda: epoch(str(shards), args.workers),
                 "s3": lambda: epoch(remote, args.workers, storage_options=options),
@@ -97,6 +127,7 @@ def main() -> None:
                                           cache_limit=4 * size))[1],
                 "s3 warm": lambda: epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
                                          cache_limit=4 * size),
+                "wds s3": lambda: wds_epoch(urls, args.workers),
             }
 
         epoch(str(shards), args.workers)  # warm-up: page cache, imports

@@ -41,19 +41,35 @@ SETTINGS = dict(batch_size=8, image_size=1024, mask_size=256, max_masks=64)
 
 def prepare(images: int) -> pathlib.Path:
     """Sample data (cached): SA-1B archives, their extracted files, and packed shards."""
-    from shard_tools.pack import PackOptions, pack
-    from shard_tools.sa1b import Sa1bSource
     from shard_tools.sample_data import write_sa1b
 
     data = CACHE / f"{images}"
     if not (data / "shards" / "manifest.json").exists():
         print(f"building {images} SA-1B-shaped images at 1500x2250 (cached in {data}) ...", flush=True)
-        write_sa1b(data / "src", images=images, size=(1500, 2250), masks=(90, 130), workers=os.cpu_count() or 1)
-        for archive in sorted((data / "src").glob("*.tar")):
-            with tarfile.open(archive) as tar:
-                tar.extractall(data / "files", filter="data")
-        pack(Sa1bSource(), [str(data / "src")], str(data / "shards"), PackOptions(shard_samples=32, workers=2), progress=False)
+        if not (data / "files").exists():
+            write_sa1b(data / "src", images=images, size=(1500, 2250), masks=(90, 130), workers=os.cpu_count() or 1)
+            for archive in sorted((data / "src").glob("*.tar")):
+                with tarfile.open(archive) as tar:
+                    tar.extractall(data / "files", filter="data")
+        _pack(data, "shards", 32)
     return data
+
+
+def packed(images: int, shard_samples: int) -> pathlib.Path:
+    """The packed shards of `prepare(images)` at `shard_samples` per shard (cached)."""
+    data = prepare(images)
+    name = "shards" if shard_samples == 32 else f"shards-{shard_samples}"
+    if not (data / name / "manifest.json").exists():
+        _pack(data, name, shard_samples)
+    return data / name
+
+
+def _pack(data: pathlib.Path, name: str, shard_samples: int) -> None:
+    from shard_tools.pack import PackOptions, pack
+    from shard_tools.sa1b import Sa1bSource
+
+    pack(Sa1bSource(), [str(data / "src")], str(data / name), PackOptions(shard_samples=shard_samples, workers=2),
+         progress=False)
 
 
 def _peak_mb() -> tuple[float, float]:
