@@ -216,7 +216,7 @@ class ShardCache:
         return None
 
     def fetch(self, url: str, size: int, sha256: str, read: Callable[[int, int], Iterator[bytes | memoryview]], *,
-              parallel: int = 4, piece: int = 8 << 20) -> str | None:
+              parallel: int = 4, piece: int = 16 << 20) -> str | None:
         """The local path of the shard, downloading it if needed (None if another process is downloading
         it): `read(start, end)` yields the bytes [start, end) in order. A shard over `piece` bytes downloads in up to `parallel` pieces at once.
         While it arrives, readers in any process take the bytes already there (`read_arriving`), and

@@ -27,7 +27,7 @@ from pipeline.storage.retry import Retry, describe
 __all__ = ["DOWNLOADS", "ShardReader"]
 
 log = logging.getLogger("pipeline.storage")
-DOWNLOADS = 4  # shards a process downloads into the cache at once
+DOWNLOADS = 8  # shards a process downloads into the cache at once
 
 
 class ShardReader:
