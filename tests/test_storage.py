@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import logging
 import multiprocessing
@@ -43,7 +44,7 @@ from conftest import indexed, split_keys
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
 REPO = str(pathlib.Path(__file__).resolve().parent.parent)
-FAST = Retry(attempts=4, initial_delay=0.01, max_delay=0.05)
+FAST = Retry(attempts=4, initial_delay=0.01, max_delay=0.05, throttle_seconds=0)  # (exact tries, throttling too)
 os.environ.update({k: v for k, v in AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
 
 
@@ -344,6 +345,38 @@ def test_faults_past_the_bound_fail_naming_url_and_cause(remote, proxy, mode, cl
         assert proxy.served(mode) == 2 * 4
 
 
+@pytest.mark.parametrize("client", ["lean", "s3fs"])
+def test_an_epoch_under_30_percent_throttling_finishes(remote, sa1b_dataset, proxy, client):
+    """503 SlowDown on 30% of GETs, one try allowed for any other failure: throttling is ridden out
+    within the time budget, and the epoch is what local disk gives."""
+    gets = itertools.count()
+    proxy.fault("slowdown", count=1 << 30, match=lambda r: r.method == "GET" and next(gets) % 10 < 3)
+    retry = Retry(attempts=1, initial_delay=0.01, max_delay=0.05, throttle_seconds=30)
+    result = _epoch(remote, storage_options=storage_options(proxy.endpoint, **CLIENT_OPTIONS[client]), retry=retry,
+                    num_workers=2, read_ahead_bytes=0)  # (a request per sample)
+    _same(result, _epoch(sa1b_dataset))
+    assert proxy.served("slowdown") >= 0.25 * len(proxy.gets()) >= 5
+
+
+def test_throttling_past_its_time_budget_fails_naming_it_and_other_faults_keep_exact_tries(remote, proxy):
+    shard = f"{remote}/train-000000.tar"
+    reader = ranged_reader(shard, storage_options(proxy.endpoint), Retry(attempts=2, initial_delay=0.05,
+                                                                         max_delay=0.1, throttle_seconds=1.0))
+    proxy.fault("slowdown", count=1000)
+    start = time.monotonic()
+    with pytest.raises(ShardError, match=r"cannot read bytes 0-100 after \d+ tries over 1\.\d s of throttling "
+                                         r"\(throttle_seconds=1\): S3Error: 503 SlowDown"):
+        reader.read(0, 100)
+    assert 1.0 <= time.monotonic() - start < 3 and proxy.served("slowdown") > 5
+    proxy.clear()
+    proxy.fault("reset", count=1000)
+    with pytest.raises(ShardError, match=r"cannot read bytes 0-100 after 2 tries: "):
+        reader.read(0, 100)
+    assert proxy.served("reset") == 2
+    with pytest.raises(ValueError, match="throttle_seconds must be a finite number of seconds >= 0"):
+        Retry(throttle_seconds=-1)
+
+
 def test_bad_credentials_and_missing_bucket_are_clear_errors(remote, server):
     with pytest.raises(ManifestError, match="access denied"):
         make_stream_loader(remote, "train", batch_size=2, num_workers=0,
@@ -573,7 +606,7 @@ def test_s3_shards_are_read_by_the_lean_client_and_options_it_cannot_honour_by_s
 def test_slowdown_on_the_lean_client_backs_off_with_jitter_for_exact_tries(remote, sa1b_dataset, proxy):
     shard, index = indexed(sa1b_dataset)[1]
     start, end = index.span(1)
-    retry = Retry(attempts=4, initial_delay=0.1, max_delay=0.25)
+    retry = Retry(attempts=4, initial_delay=0.1, max_delay=0.25, throttle_seconds=0)
     reader = ranged_reader(f"{remote}/{shard.name}", storage_options(proxy.endpoint), retry)
     proxy.fault("slowdown", count=3)
     random.seed(23)

@@ -20,7 +20,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ShardError
-from pipeline.storage.retry import Retry, Truncated, describe, transient, with_retries
+from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
 
 __all__ = ["PIECE_BYTES", "filesystem", "is_local", "join", "read_range", "shard_url", "write_bytes"]
 
@@ -102,13 +102,14 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, e
     parts = []
     for first in range(start, end, PIECE_BYTES):
         stop = min(first + PIECE_BYTES, end)
+        tries = Tries(retry)
         try:
-            parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", functools.partial(piece, first, stop)))
+            parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", functools.partial(piece, first, stop), tries))
         except FileNotFoundError as exc:
             raise ShardError(url, f"{what}shard is missing") from exc
         except Exception as exc:
-            tries = f" after {retry.attempts} tries" if transient(exc) else ""
-            raise ShardError(url, f"{what}cannot read bytes {first}-{stop}{tries}: {describe(exc)}") from exc
+            after = f" after {tries}" if transient(exc) else ""
+            raise ShardError(url, f"{what}cannot read bytes {first}-{stop}{after}: {describe(exc)}") from exc
     return b"".join(parts)
 
 

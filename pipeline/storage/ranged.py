@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from pipeline.errors import ShardError
 from pipeline.storage import s3
 from pipeline.storage.fs import PIECE_BYTES, filesystem, read_range
-from pipeline.storage.retry import Retry, Truncated, describe, transient, with_retries
+from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
 
 __all__ = ["CLIENTS", "Client", "Ranged", "client_for", "ranged_reader"]
 
@@ -61,24 +61,22 @@ class Ranged:
             for first in range(start, end, PIECE_BYTES):
                 yield self.read(first, min(first + PIECE_BYTES, end))
             return
-        at, failures = start, 0
+        at, tries = start, Tries(self.retry)
         while at < end:
             try:
                 for chunk in self.client.stream(self.path, at, end):
                     yield chunk
-                    at, failures = at + len(chunk), 0
+                    at, tries = at + len(chunk), Tries(self.retry)
                 if at != end:
                     raise Truncated(f"bytes {at}-{end}: the body ended early")
             except FileNotFoundError as exc:
                 raise ShardError(self.url, "shard is missing") from exc
             except Exception as exc:
-                failures += 1
-                if not transient(exc) or failures == self.retry.attempts:
-                    tries = f" after {failures} tries" if transient(exc) else ""
-                    raise ShardError(self.url, f"cannot read bytes {at}-{end}{tries}: {describe(exc)}") from exc
-                wait = self.retry.delay(failures)
-                log.info("%s bytes %d-%d: %r; try %d of %d in %.2f s", self.url, at, end, exc, failures + 1,
-                         self.retry.attempts, wait)
+                wait = tries.again(exc)
+                if wait is None:
+                    after = f" after {tries}" if transient(exc) else ""
+                    raise ShardError(self.url, f"cannot read bytes {at}-{end}{after}: {describe(exc)}") from exc
+                log.info("%s bytes %d-%d: %r; try %d in %.2f s", self.url, at, end, exc, tries.count + 1, wait)
                 time.sleep(wait)
 
     def size(self, key: str | None = None) -> int:

@@ -1,6 +1,9 @@
 """One retry policy for every storage request: transient failures (HTTP 5xx, 429/SlowDown, a
 connection reset, a body cut short, a timeout) are tried again after an exponential backoff with
-jitter; anything else (a missing object, bad credentials) fails at once. The clients' own retry
+jitter; anything else (a missing object, bad credentials) fails at once. A request is tried
+`attempts` times, but throttling (503 SlowDown, 429 and the S3 throttling codes: the server asking
+for fewer requests, not failing) is retried for as long as the request stays within its time
+budget, `throttle_seconds`: a throttled epoch slows down, it does not fail. The clients' own retry
 loops are off (botocore's and s3fs's in `fs`, obstore's in `s3`)."""
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["Retry", "Truncated", "describe", "http_status", "transient", "with_retries"]
+__all__ = ["Retry", "Tries", "Truncated", "describe", "http_status", "throttled", "transient", "with_retries"]
 
 log = logging.getLogger("pipeline.storage")
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
@@ -27,23 +30,34 @@ _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestThr
 _OBSTORE_PERMANENT = {"NotFoundError", "PermissionDeniedError", "UnauthenticatedError", "InvalidPathError",
                       "NotSupportedError", "AlreadyExistsError", "PreconditionError", "NotModifiedError",
                       "UnknownConfigurationKeyError"}
+# S3 error codes (and HTTP statuses) of a server asking for fewer requests: retried within `Retry.throttle_seconds`.
+_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "RequestLimitExceeded",
+                   "BandwidthLimitExceeded", "TooManyRequests", "TooManyRequestsException"}
+_THROTTLE_STATUSES = (429, 503)
 T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
 class Retry:
     """How transient storage failures are retried: up to `attempts` tries of each request, waiting
-    `initial_delay * 2**n` (at most `max_delay`) times a random factor in [0.5, 1.5) between tries."""
+    `initial_delay * 2**n` (at most `max_delay`) times a random factor in [0.5, 1.5) between tries.
+    Throttling (`throttled`) does not use up tries while the request is within `throttle_seconds`
+    of its first try (waits included); past that it counts as any failure. 0: exact tries for all."""
 
     attempts: int = 6
     initial_delay: float = 0.2
     max_delay: float = 10.0
+    throttle_seconds: float = 120.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.attempts, int) or self.attempts < 1:
+        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool) or self.attempts < 1:
             raise ValueError(f"attempts must be an int >= 1, got {self.attempts!r}")
         if not (0 <= self.initial_delay <= self.max_delay):
             raise ValueError(f"need 0 <= initial_delay <= max_delay, got {self.initial_delay}, {self.max_delay}")
+        budget = self.throttle_seconds
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget < float("inf"):
+            raise ValueError(f"throttle_seconds must be a finite number of seconds >= 0 (how long a throttled request "
+                             f"is retried; 0: throttling uses up tries as other failures do), got {budget!r}")
 
     def delay(self, failures: int) -> float:
         return min(self.max_delay, self.initial_delay * 2 ** (failures - 1)) * random.uniform(0.5, 1.5)
@@ -65,6 +79,24 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, (OSError, TimeoutError, Truncated)) or module in _TRANSPORT_MODULES
 
 
+def throttled(exc: BaseException) -> bool:
+    """Whether a failure is the server asking for fewer requests (503 SlowDown, 429, an S3 throttling
+    code), here or in its causes (s3fs raises an OSError caused by botocore's ClientError)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        code = vars(exc).get("code")  # (`s3.S3Error`'s; aiohttp's `code` property is deprecated)
+        response = vars(exc).get("response")  # (botocore's ClientError)
+        if not isinstance(code, str) and isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        else:
+            status = http_status(exc)
+        if (isinstance(code, str) and code in _THROTTLE_CODES) or status in _THROTTLE_STATUSES:
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
+    return False
+
+
 def http_status(exc: BaseException) -> int | None:
     """The HTTP status of a failed request: its `status` (aiohttp, http, `s3.S3Error`), or the one
     obstore's message states; None where no answer came."""
@@ -81,20 +113,50 @@ class Truncated(Exception):
     """A read returned fewer bytes than asked for (a body cut short)."""
 
 
-def with_retries(retry: Retry, what: str, call: Callable[[], T]) -> T:
-    """`call()`, tried again on transient failures; the last failure propagates (with a note)."""
-    for attempt in range(1, retry.attempts + 1):
+class Tries:
+    """One request's tries under a `Retry`: `again(exc)` says whether a failure is tried again, after
+    how long. Counts what messages say: tries made, and seconds of throttling ridden out."""
+
+    def __init__(self, retry: Retry) -> None:
+        self.retry, self.count, self.counted = retry, 0, 0
+        self.start = time.monotonic()
+        self.throttled = False  # the last failure was throttling
+
+    def again(self, exc: BaseException) -> float | None:
+        """The wait before trying again after the failure `exc` (of try `count + 1`), or None: give up."""
+        self.count += 1
+        if not transient(exc):
+            return None
+        retry = self.retry
+        wait = retry.delay(min(self.count, 64))
+        self.throttled = throttled(exc)
+        if not (self.throttled and time.monotonic() + wait - self.start <= retry.throttle_seconds):
+            self.counted += 1  # (a try used up: anything but throttling within the budget)
+        return wait if self.counted < retry.attempts else None
+
+    def __str__(self) -> str:
+        spent = time.monotonic() - self.start
+        throttling = f" over {spent:.1f} s of throttling (throttle_seconds={self.retry.throttle_seconds:g})" \
+            if self.throttled and self.count > self.counted else ""
+        return f"{self.count} tries{throttling}"
+
+
+def with_retries(retry: Retry, what: str, call: Callable[[], T], tries: Tries | None = None) -> T:
+    """`call()`, tried again on transient failures as `retry` says; the last failure propagates (with a
+    note). `tries`: where the caller reads how many were made (for its message)."""
+    tries = tries or Tries(retry)
+    while True:
         try:
             return call()
         except Exception as exc:
-            if not transient(exc) or attempt == retry.attempts:
-                if attempt > 1:
-                    exc.add_note(f"{what}: failed {attempt} times")
+            wait = tries.again(exc)
+            if wait is None:
+                if tries.count > 1:
+                    exc.add_note(f"{what}: failed {tries}")
                 raise
-            wait = retry.delay(attempt)
-            log.info("%s: %r; try %d of %d in %.2f s", what, exc, attempt + 1, retry.attempts, wait)
+            left = "" if tries.throttled else f" of {retry.attempts}"
+            log.info("%s: %r; try %d%s in %.2f s", what, exc, tries.count + 1, left, wait)
         time.sleep(wait)
-    raise AssertionError("unreachable")
 
 
 
