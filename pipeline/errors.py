@@ -8,8 +8,16 @@ from __future__ import annotations
 
 __all__ = [
     "ShardstreamError", "ManifestError", "ShardError", "ShardIndexError", "SampleError", "InputError", "RowError",
-    "PackError", "TooManySkipped", "PlanError", "RLEError",
+    "PackError", "TooManySkipped", "PlanError", "RLEError", "excerpt",
 ]
+
+
+def excerpt(value: str | bytes, limit: int = 16) -> str:
+    """Untrusted text or bytes for a message: escaped (as `repr` does) and cut to `limit` characters,
+    so that an error or a skip line never carries more than a few characters of a file's content."""
+    text = value if isinstance(value, str) else value.decode("latin-1")
+    shown = repr(text[:limit])
+    return f"{shown}... ({len(text)} characters)" if len(text) > limit else shown
 
 
 class ShardstreamError(Exception):

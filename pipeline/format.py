@@ -46,7 +46,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from pipeline.errors import ManifestError, ShardIndexError
+from pipeline.errors import ManifestError, ShardIndexError, excerpt
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -283,7 +283,7 @@ def unpack_columns(table: bytes, data: bytes) -> dict[str, tuple[str, np.ndarray
                 and _COLUMN_NAME_RE.fullmatch(column[0]) and column[1] in COLUMN_DTYPES
                 and isinstance(column[2], list) and column[2][:1] == [n]
                 and all(type(d) is int and d >= 0 for d in column[2]) and type(column[3]) is int):
-            raise ValueError(f"invalid column entry {column!r}"[:200])
+            raise ValueError(f"invalid column entry {excerpt(repr(column))}")
         layout.append((column[0], column[1], tuple(column[2])))
         given.append(column[3])
     if len({name for name, _, _ in layout}) != len(layout):

@@ -18,7 +18,7 @@ import tarfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 
-from pipeline.errors import ShardError
+from pipeline.errors import ShardError, excerpt
 from pipeline.format import check_key
 
 __all__ = ["BLOCK", "ArchiveMember", "ReadLimits", "ShardWriter", "parse_sample", "sample_members", "scan_archive"]
@@ -99,10 +99,11 @@ class ShardWriter:
         os.unlink(self.partial)
 
 
-def _octal(field: bytes) -> int:
+def _octal(field: bytes, name: str) -> int:
+    """A tar header's octal number field; a ValueError naming the field, never echoing its bytes."""
     text = field.rstrip(b"\0 ").lstrip(b" ")
     if not text or not text.isdigit() or b"8" in text or b"9" in text:
-        raise ValueError(f"bad octal field {field!r}")
+        raise ValueError(f"its {name} field is not an octal number")
     return int(text, 8)
 
 
@@ -123,9 +124,10 @@ def parse_sample(data: bytes | memoryview, url: str, key: str, limits: ReadLimit
 
 
 def _header_size(header: bytes, url: str, pos: int, prefix: str, hint: str = "") -> int:
-    """A tar header's size field, its octal fields and checksum checked; else a ShardError naming byte `pos`."""
+    """A tar header's size field, its octal fields and checksum checked; else a ShardError naming byte
+    `pos` (and never quoting the header: it may be any file's bytes)."""
     try:
-        checksum, size = _octal(header[148:156]), _octal(header[124:136])
+        checksum, size = _octal(header[148:156], "checksum"), _octal(header[124:136], "size")
     except ValueError as exc:
         raise ShardError(url, f"{prefix}invalid tar header at byte {pos}{hint}: {exc}") from exc
     if checksum != sum(header[:148]) + 256 + sum(header[156:]):
@@ -134,16 +136,17 @@ def _header_size(header: bytes, url: str, pos: int, prefix: str, hint: str = "")
 
 
 def _read_header(view: memoryview, pos: int, url: str, key: str) -> tuple[str, int]:
-    """(name, size) of the regular-file header at `pos`, its checksum checked."""
+    """(name, size) of the regular-file header at `pos`, its checksum checked. Messages name the byte,
+    never the header's own name (checked by the caller against the key)."""
     header = bytes(view[pos : pos + BLOCK])
     if len(header) < BLOCK:
         raise ShardError(url, f"sample {key!r}: truncated tar header at byte {pos}")
     size = _header_size(header, url, pos, f"sample {key!r}: ")
     if header[156:157] not in (b"0", b"\0"):
-        raise ShardError(url, f"sample {key!r}: member type {header[156:157]!r} is not a regular file")
+        raise ShardError(url, f"sample {key!r}: member type {excerpt(header[156:157])} at byte {pos} is not a regular file")
     name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
     if header[345:500].strip(b"\0"):
-        raise ShardError(url, f"sample {key!r}: unexpected member name {name[:120]!r} (with a ustar prefix)")
+        raise ShardError(url, f"sample {key!r}: the member at byte {pos} has a ustar name prefix (a folder)")
     return name, size
 
 
@@ -162,11 +165,11 @@ def _recorded_members(view: memoryview, url: str, key: str, limits: ReadLimits,
         pos = offset - start
         name, size = _read_header(view, pos, url, key)
         if name not in (f"{key}.{ext}", f"./{key}.{ext}") or not _EXT_RE.fullmatch(ext):
-            raise ShardError(url, f"sample {key!r}: unexpected member name {name[:120]!r} at byte {offset}, the index "
-                             f"says {key}.{ext}")
+            raise ShardError(url, f"sample {key!r}: the member at byte {offset} is not named {key}.{excerpt(ext)[1:-1]}, "
+                             "as the index says")
         if size != recorded or size > limits.max_member_bytes or pos + BLOCK + size > len(view):
-            raise ShardError(url, f"sample {key!r}: member {name!r} claims {size} bytes, the index says {recorded} (or "
-                             "beyond the cap or the sample's range)")
+            raise ShardError(url, f"sample {key!r}: member {key}.{ext} at byte {offset} claims {size} bytes, the index says "
+                             f"{recorded} (or beyond the cap or the sample's range)")
         found.append((ext, pos, size))
     return found
 
@@ -187,11 +190,12 @@ def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLim
         name, size = _read_header(view, pos, url, key)
         member_key, _, ext = name.partition(".")
         if member_key != key or not _EXT_RE.fullmatch(ext):
-            raise ShardError(url, f"sample {key!r}: unexpected member name {name[:120]!r}")
+            raise ShardError(url, f"sample {key!r}: the member at byte {pos} of the sample is not named {key}.<ext>")
+        shown = f"{key}.{excerpt(ext)[1:-1]}"
         if size > limits.max_member_bytes or pos + BLOCK + size > len(data):
-            raise ShardError(url, f"sample {key!r}: member {name!r} claims {size} bytes, beyond the cap or the sample's range")
+            raise ShardError(url, f"sample {key!r}: member {shown} claims {size} bytes, beyond the cap or the sample's range")
         if any(e == ext for e, _, _ in members) or len(members) == limits.max_members:
-            raise ShardError(url, f"sample {key!r}: duplicate member {name!r} or more than {limits.max_members} members")
+            raise ShardError(url, f"sample {key!r}: duplicate member {shown} or more than {limits.max_members} members")
         members.append((ext, pos, size))
         pos += BLOCK + size + (-size % BLOCK)
     return members
@@ -219,9 +223,11 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
     """Each member of an uncompressed tar (ustar, GNU or pax, as GNU tar and tarfile write it),
     reading it front to back with `read(n)` (the next n bytes; fewer only at the end), the bytes of
     the regular files `wanted(name)` selects included. A member whose name or size only a pax or
-    GNU extended header gives cannot be read back from its own header: it comes with a `problem`.
-    A compressed, truncated or malformed archive is a ShardError naming the byte it failed at."""
-    pos, extended = 0, ""
+    GNU extended header gives cannot be read back from its own header: it comes with a `problem`,
+    under the name the extended header sets (else its own). A compressed, truncated or malformed
+    archive is a ShardError naming the byte it failed at. Member names in messages are escaped and
+    cut to `_SHOWN` characters."""
+    pos, extended, path = 0, False, ""
     while True:
         header = read(BLOCK)
         if not header:  # (an archive may end without its end-of-archive blocks, as tarfile allows)
@@ -245,7 +251,8 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
             if kind == b"g" and (b" path=" in payload or b" size=" in payload):
                 raise ShardError(url, f"a pax global header at byte {pos} sets names or sizes: not indexed")
             if kind in (b"L", b"x") and (kind == b"L" or b" path=" in payload or b" size=" in payload):
-                extended = payload.rstrip(b"\0").decode("utf-8", "replace") if kind == b"L" else _pax_path(payload, name)
+                extended = True
+                path = payload.rstrip(b"\0").decode("utf-8", "replace") if kind == b"L" else _pax_path(payload) or path
             pos += BLOCK + padded
             continue
         problem = None
@@ -258,20 +265,23 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
         elif size > limits.max_member_bytes:
             problem = f"{size} bytes, more than max_member_bytes={limits.max_member_bytes}"
         take = problem is None and wanted(name)
-        where = f"member {name!r} ({size} bytes at byte {pos})"
+        where = f"member {excerpt(name, _SHOWN)} ({size} bytes at byte {pos})"
         data = _read_exactly(read, size, url, where) if take else None
         _skip(read, padded - size if take else padded, url, where)
-        yield ArchiveMember(extended or name, pos, size, problem, data, kind == b"5")
-        pos, extended = pos + BLOCK + padded, ""
+        yield ArchiveMember(path[:_SHOWN] or name, pos, size, problem, data, kind == b"5")  # (the path: skipped)
+        pos, extended, path = pos + BLOCK + padded, False, ""
 
 
-def _pax_path(payload: bytes, name: str) -> str:
-    """The path a pax header sets (else the member's own name), for messages."""
+_SHOWN = 100  # characters of an archive member's name in messages (a tar header holds 100; pax, any number)
+
+
+def _pax_path(payload: bytes) -> str:
+    """The path a pax header sets, if any ("": a header setting only the size, say)."""
     for record in payload.split(b"\n"):
         _, _, field = record.partition(b" ")
         if field.startswith(b"path="):
             return field[5:].decode("utf-8", "replace")
-    return name
+    return ""
 
 
 def _read_exactly(read: Callable[[int], bytes], size: int, url: str, where: str) -> bytes:

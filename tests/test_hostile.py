@@ -6,9 +6,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import pathlib
 import pickle
+import random
+import string
 import subprocess
 import sys
 import tarfile
@@ -92,11 +95,11 @@ def _corpus(sa1b_sample) -> dict[str, tuple[str, list[tuple[str, bytes]], bytes,
     many = b"".join(_member(f"k.x{i}", b"1") for i in range(17))
     end = b"\0" * 1024
     return {
-        "path traversal member": (key, [(key, _member("../evil.jpg", jpg))], end, "unexpected member name"),
+        "path traversal member": (key, [(key, _member("../evil.jpg", jpg))], end, "is not named"),
         "path traversal key": ("../evil", [("../evil", _member("../evil.jpg", jpg))], end, "unsafe sample key"),
-        "absolute member": (key, [(key, _member("/etc/passwd", b"root"))], end, "unexpected member name"),
-        "backslash member": (key, [(key, _member(f"..\\{key}.jpg", jpg))], end, "unexpected member name"),
-        "NUL in member name": (key, [(key, _member(f"{key}\0x.jpg", jpg))], end, "unexpected member name"),
+        "absolute member": (key, [(key, _member("/etc/passwd", b"root"))], end, "is not named"),
+        "backslash member": (key, [(key, _member(f"..\\{key}.jpg", jpg))], end, "is not named"),
+        "NUL in member name": (key, [(key, _member(f"{key}\0x.jpg", jpg))], end, "is not named"),
         "long member name": (key, [(key, _member(f"{key}." + "j" * 300, jpg))], end, "not a regular file"),
         "symlink": (key, [(key, _member(f"{key}.jpg", b"", tarfile.SYMTYPE, "/etc/passwd"))], end, "not a regular file"),
         "hardlink": (key, [(key, _member(f"{key}.jpg", b"", tarfile.LNKTYPE, "/etc/passwd"))], end, "not a regular file"),
@@ -118,7 +121,7 @@ def _corpus(sa1b_sample) -> dict[str, tuple[str, list[tuple[str, bytes]], bytes,
         "missing field": (key, [(key, _member(f"{key}.jpg", jpg) + _member(f"{key}.msgpack", msgpack.packb({k: v for k, v in msgpack.unpackb(ann).items() if k != "bbox"})))], end, "fields"),
         "missing member": (key, [(key, _member(f"{key}.jpg", jpg))], end, "expected"),
         "too many members": ("k", [("k", many)], end, "more than 16 members"),
-        "manifest key disagrees": ("sa_999", [("sa_999", raw)], end, "unexpected member name"),
+        "manifest key disagrees": ("sa_999", [("sa_999", raw)], end, "is not named"),
     }
 
 
@@ -155,6 +158,38 @@ def test_skipping_goes_past_hostile_samples_within_the_budget(sa1b_sample, tmp_p
     fraction = make_stream_loader(root, "train", batch_size=7, num_workers=0, on_error="skip", max_errors=0.5, **SMALL)
     with pytest.raises(ShardstreamError, match="max_errors=0.5"):
         list(fraction)
+
+
+def _longest_quoted(text: str, secret: str) -> int:
+    """The longest run of characters of `secret` that `text` quotes."""
+    best = 0
+    for i in range(len(secret)):
+        while i + best < len(secret) and secret[i : i + best + 1] in text:
+            best += 1
+    return best
+
+
+def test_the_skip_log_and_errors_quote_no_bytes_of_what_they_read(sa1b_sample, tmp_path, caplog):
+    """A manifest's sample ranges over a file that holds no samples (any file: here, 4 KiB of secret
+    text; before, 8 bytes of each sample's size field, and member names whole, went to the log)."""
+    key, raw, jpg, ann = sa1b_sample
+    secret = "".join(random.Random(8).choice(string.ascii_uppercase + string.digits) for _ in range(4096))
+    named = _member(f"{key}.jpg", jpg).replace(f"{key}.jpg".encode(), secret[:100].encode().ljust(len(key) + 4, b"\0"), 1)
+    header = bytearray(named[:BLOCK])
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    samples = [(f"k{i}", secret[i * 512 : (i + 1) * 512].encode()) for i in range(8)] + \
+        [("k8", bytes(header) + named[BLOCK:]), (key, raw)]
+    root = _dataset(tmp_path / "secret", samples)
+    caplog.set_level(logging.WARNING)
+    loader = make_stream_loader(root, "train", batch_size=10, num_workers=0, shuffle=False, on_error="skip", **SMALL)
+    assert [b["keys"] for b in loader] == [[key]] and loader.skipped == 9
+    log = "\n".join(r.getMessage() for r in caplog.records)
+    assert log.count("skipped: ") == 9 and _longest_quoted(log, secret) <= 3, log
+    loader = make_stream_loader(root, "train", batch_size=10, num_workers=0, shuffle=False, **SMALL)
+    with pytest.raises(ShardstreamError) as caught:
+        list(loader)
+    assert "byte 0" in str(caught.value) and _longest_quoted(str(caught.value), secret) <= 3
 
 
 def test_hostile_manifests_are_refused(tmp_path):

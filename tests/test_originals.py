@@ -91,7 +91,7 @@ def test_mixed_with_a_packed_dataset_of_the_same_kind(originals, sa1b_dataset):
 
 
 def test_read_limits_apply_to_originals(originals):
-    with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+': member 'sa_\d+\.jpg' claims \d+ bytes, "
+    with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+': member sa_\d+\.jpg at byte \d+ claims \d+ bytes, "
                                          r"the index says \d+ \(or beyond the cap"):
         _batches(_loader(originals, limits=ReadLimits(max_member_bytes=1000)))
     with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+' spans \d+ bytes, more than max_sample_bytes=2000"):

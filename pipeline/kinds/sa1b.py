@@ -20,7 +20,7 @@ import numpy.random  # noqa: F401  (imported on first use otherwise: ~20 ms of e
 import torch
 
 from pipeline.collate import empty, padded_images, unpack_bits
-from pipeline.errors import SampleError
+from pipeline.errors import SampleError, excerpt
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
@@ -128,7 +128,7 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
     try:
         image_id, height, width = int(info["image_id"]), int(info["height"]), int(info["width"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise SampleError(url, key, "image", f"invalid image info {info!r}") from exc
+        raise SampleError(url, key, "image", f"invalid image info {excerpt(repr(info))}") from exc
     if height < 1 or width < 1 or height * width > options.max_image_pixels:
         raise SampleError(url, key, "image", f"invalid size {height}x{width}")
     if not isinstance(counts, list) or not all(isinstance(c, bytes) for c in counts):
@@ -289,7 +289,7 @@ def check_batch(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list
 def _field(obj: Any, name: str, kind: type | tuple[type, ...], where: str, key: str, field: str) -> Any:
     value = obj.get(name) if isinstance(obj, dict) else None
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise SampleError(where, key, field, f"missing or not {getattr(kind, '__name__', kind)}: {value!r}"[:200])
+        raise SampleError(where, key, field, f"missing or not {getattr(kind, '__name__', kind)}: {excerpt(repr(value))}")
     return value
 
 
@@ -311,7 +311,7 @@ def _numbers(value: Any, count: int | None, where: str, key: str, field: str) ->
     ok = isinstance(value, list) and (count is None or len(value) == count)
     if ok and all(_finite(v) for v in value):
         return [float(v) for v in value]
-    raise SampleError(where, key, field, f"want {count or 'some'} finite numbers, got {value!r}"[:200])
+    raise SampleError(where, key, field, f"want {count or 'some'} finite numbers, got {excerpt(repr(value))}")
 
 
 def annotation_record(meta: Any, where: str, key: str, *,
@@ -413,7 +413,7 @@ def _checked_columns(annotations: list[Any], height: int, width: int, where: str
         seg = _field(ann, "segmentation", dict, where, key, f"{at}.segmentation")
         size = seg.get("size")
         if size != [height, width]:
-            raise SampleError(where, key, f"{at}.segmentation.size", f"RLE size {size!r} disagrees with the image's [{height}, {width}]")
+            raise SampleError(where, key, f"{at}.segmentation.size", f"RLE size {excerpt(repr(size))} disagrees with the image's [{height}, {width}]")
         counts = _field(seg, "counts", str, where, key, f"{at}.segmentation.counts")
         if not counts.isascii():
             raise SampleError(where, key, f"{at}.segmentation.counts", "not an ASCII COCO RLE string")
@@ -425,7 +425,7 @@ def _checked_columns(annotations: list[Any], height: int, width: int, where: str
             columns[name] += _numbers([ann.get(name)], 1, where, key, f"{at}.{name}")
         points = ann.get("point_coords")
         if not isinstance(points, list) or not points:
-            raise SampleError(where, key, f"{at}.point_coords", f"want a non-empty list of [x, y], got {points!r}"[:200])
+            raise SampleError(where, key, f"{at}.point_coords", f"want a non-empty list of [x, y], got {excerpt(repr(points))}")
         columns["point_coords"] += [_numbers(p, 2, where, key, f"{at}.point_coords") for p in points]
         columns["point_counts"].append(len(points))
     return _arrays(columns, len(annotations))

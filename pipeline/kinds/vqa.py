@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 from pipeline.collate import padded_images, rows
-from pipeline.errors import SampleError
+from pipeline.errors import SampleError, excerpt
 from pipeline.format import (
     VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, unpack_record,
 )
@@ -115,10 +115,10 @@ def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key
            f"expected a map of {sorted(VQA_IMAGE_FIELDS)}")
     _check(all(isinstance(image[f], str) for f in ("path", "format", "mode", "sha256"))
            and _is_int(image["width"], 1) and _is_int(image["height"], 1), url, key, "image", "invalid image info")
-    _check(_FORMATS[ext] == image["format"], url, key, "image", f"format {image['format']!r} in a .{ext} member")
+    _check(_FORMATS[ext] == image["format"], url, key, "image", f"format {excerpt(repr(image['format']))} in a .{ext} member")
     _check(isinstance(stored, list) and len(stored) == 2 and all(_is_int(n, 1) for n in stored)
            and stored[0] * stored[1] <= options.max_image_pixels, url, key, "stored_size",
-           f"invalid stored size {stored!r}"[:200])
+           f"invalid stored size {excerpt(repr(stored))}")
     _check(isinstance(record["split"], str), url, key, "split", "not a string")
     _check(isinstance(questions, list) and len(questions) >= 1, url, key, "questions", "expected a non-empty list")
     for i, q in enumerate(questions):
