@@ -132,15 +132,14 @@ class ShardStream(IterableDataset):
         prepared: dict[int, list[tuple[Where, Any]]] = {}
         chunks = self._chunks(len(plan), any(reads.spanned))
         asked, last = 0, 0  # batches asked for; the first batch of the last chunk asked for
+        # From object storage, the first batch's reads alone, by range (not from the shard cache's downloads);
+        # read-ahead and downloads begin with the second batch (they would compete with them).
+        reads.downloads = chunks is None
         try:
             for i, (batch, _, _) in enumerate(plan):
-                # From object storage, the first batch's reads alone (by range: not waiting for the shard cache's
-                # downloads), then read-ahead and downloads (they would compete with them).
-                ahead = cfg.read_ahead if i or not chunks else 0
-                if i == 0 and chunks:
-                    reads.downloads = False
-                elif i == 1:
+                if i == 1:
                     reads.start_downloads()
+                ahead = cfg.read_ahead if i or not chunks else 0
                 while asked < len(plan) and (asked <= i + ahead or (chunks and ahead and i >= last)):
                     last, wheres = asked, []
                     for later in range(asked, min(asked + (next(chunks) if chunks else 1), len(plan))):
