@@ -32,6 +32,7 @@ from pipeline.stats import Clock, WorkerTable
 __all__ = ["ShardStream", "WorkerError"]
 
 log = logging.getLogger(__name__)
+_CHUNK_ITEMS = 8192  # items whose reads are asked for at once from object storage, at most (see `_chunks`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,12 +166,14 @@ class ShardStream(IterableDataset):
         """From object storage: how many batches each request for reads covers, so that spans merge many
         samples: 1, 2, 4, ... (the first batch waits for its own samples only), up to what fits twice
         (one chunk in use, the next in flight) in `read_ahead_bytes` after `read_amplification`,
-        by the sources' mean bytes per item. None: one batch at a time, `read_ahead` ahead."""
+        by the sources' mean bytes per item, and at most `_CHUNK_ITEMS` items (small items: the plan's
+        work per chunk stays small). None: one batch at a time, `read_ahead` ahead."""
         if not spanned:
             return None
         cfg = self.config
         item = sum(int(s.split.shard_bytes.sum()) for s in self.sources) / max(1, sum(int(s.sizes.sum()) for s in self.sources))
-        most = max(1, int(cfg.read_ahead_bytes / (2 * cfg.read_amplification * cfg.batch_size * max(item, 1))))
+        most = max(1, min(_CHUNK_ITEMS // cfg.batch_size,
+                          int(cfg.read_ahead_bytes / (2 * cfg.read_amplification * cfg.batch_size * max(item, 1)))))
         return (min(1 << min(n, 62), most, batches) for n in itertools.count())
 
     def _open(self, members: dict[str, Any], url: str, key: str, units: int) -> Any:
