@@ -216,20 +216,35 @@ def _index_parser(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParse
         k.add_argument("--split", default="train=1", help="split fractions by key hash, as packing, e.g. train=0.99,val=0.01")
         k.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes scanning archives (all cores)")
         k.add_argument("--max-skipped", type=int, default=10, help="fail when more input samples are bad (10)")
+        k.add_argument("--dask", metavar="ADDRESS", help="scan the archives on a Dask cluster, one task each: "
+                       "tcp://scheduler:8786, or local:N (see sa1b); the workers must reach the archives")
 
 
 def _index(args: argparse.Namespace) -> None:
     summary = index_archives(args.index_kind, args.sources, args.out, splits=parse_splits(args.split),
-                             workers=args.workers, max_skipped=args.max_skipped, progress=not args.quiet)
+                             workers=args.workers, max_skipped=args.max_skipped, progress=not args.quiet,
+                             dask=args.dask)
     for skip in summary.skip_list[:20]:
         log.warning("skipped %s", skip["reason"])
     print("\n".join(summary.lines()))
 
 
+_QUIET = {"botocore", "aiobotocore", "s3fs", "fsspec", "distributed"}  # INFO: where credentials came from; Dask's workers
+
+
+def _libraries_quiet(record: logging.LogRecord) -> bool:
+    """Shows a library's record only from WARNING up (a filter on our handler as well as their levels:
+    Dask sets its loggers' levels itself when it is imported)."""
+    return record.levelno >= logging.WARNING or record.name.partition(".")[0] not in _QUIET
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    made = not logging.getLogger().handlers
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    for noisy in ("botocore", "aiobotocore", "s3fs", "fsspec"):  # their INFO lines say where credentials came from
+    for handler in logging.getLogger().handlers if made else ():
+        handler.addFilter(_libraries_quiet)
+    for noisy in _QUIET:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         if args.command == "sa1b":

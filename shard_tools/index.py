@@ -32,7 +32,7 @@ from pipeline.format import (MANIFEST_NAME, SA1B_JPG, SA1B_JSON, WEBDATASET, Ind
                              check_ext, check_key, check_shard_name)
 from pipeline.storage import filesystem, is_local, join, read_manifest, write_bytes
 from pipeline.tario import BLOCK, ArchiveMember, ReadLimits, scan_archive
-from shard_tools.pack import Interrupted, PackOptions, Progress, pool_tick, split_of, worker_pool
+from shard_tools.pack import Interrupted, PackOptions, Progress, dask_tasks, pool_tick, split_of, worker_pool
 from shard_tools.sa1b import check_pair
 
 __all__ = ["IndexSummary", "index_archives", "index_sa1b", "index_webdataset"]
@@ -278,17 +278,23 @@ def _name(url: str, out: str) -> str:
 
 def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Sequence[tuple[str, float]] = (("train", 1.0),),
                    workers: int = 1, max_skipped: int = 10, progress: bool = True,
-                   storage_options: dict[str, Any] | None = None) -> IndexSummary:
+                   storage_options: dict[str, Any] | None = None, dask: str | None = None) -> IndexSummary:
     """Index the archives in `sources` in place into the dataset folder `out` (index files and the
     manifest, written last and atomically; nothing else). Raises PackError if `out` holds a dataset
     that was not indexed in place, TooManySkipped past `max_skipped` (as soon as an archive takes
     the count past it), and InputError naming the archive when one is missing or cannot be read as
     an uncompressed tar, or naming the input when it holds no archive or no sample; Interrupted on
     Ctrl-C. What the run wrote is removed then. Each archive's samples are written to its index
-    files as it comes: memory grows with archives, and by 16 bytes a key (`SeenKeys`)."""
+    files as it comes: memory grows with archives, and by 16 bytes a key (`SeenKeys`).
+
+    `dask`: scan the archives on a Dask cluster (`tcp://host:8786`, or `local:N`), one task per
+    archive, as the packers run their shards (`shard_tools.pack.dask_tasks`); the output is the same
+    bytes. The workers read the archives themselves, with `storage_options`: on a real cluster they
+    must reach them (object storage, or a shared filesystem). Only the scans run there: this process
+    writes the index files and the manifest."""
     if kind not in _KINDS:
         raise ValueError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_KINDS)}")
-    PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped)  # (checks them as packing does)
+    options = PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped, dask=dask)  # (checked as packing does)
     started = time.monotonic()
     fs, base = filesystem(out, storage_options)
     out_url = base if is_local(fs) else fs.unstrip_protocol(base)
@@ -301,12 +307,13 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
         fs.makedirs(base, exist_ok=True)
     written: list[str] = []
     try:
-        summary, manifest = _index(kind, urls, [_name(u, out_url) for u in urls], workers, storage_options, fs, base,
-                                   tuple(splits), max_skipped, progress, written)
+        summary, manifest = _index(kind, urls, [_name(u, out_url) for u in urls], options, storage_options, fs, base,
+                                   progress, written)
     except BaseException:
         for name in written:
             if name not in earlier:
-                fs.rm_file(join(base, name))
+                with contextlib.suppress(FileNotFoundError):  # (interrupted while it was written)
+                    fs.rm_file(join(base, name))
         if made and fs.exists(base) and not fs.ls(base):
             fs.rmdir(base)
         raise
@@ -317,15 +324,35 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     return summary
 
 
-def _map(kind: str, urls: list[str], workers: int, storage_options: dict[str, Any] | None) -> Iterator[_Scanned]:
-    """Each archive scanned, in order (a process pool when workers > 1)."""
-    if workers == 1 or len(urls) <= 1:
-        yield from (_scan(kind, url, storage_options) for url in urls)
+def _map(kind: str, urls: list[str], options: PackOptions, storage_options: dict[str, Any] | None,
+         bar: Progress) -> Iterator[_Scanned]:
+    """Each archive scanned, in order (in a process pool when workers > 1; on Dask, each task as it
+    finishes, held until those before it have come); `bar` counts the archives scanned."""
+    if options.dask is not None:
+        calls = [(_scan, kind, url, storage_options) for url in urls]
+        finished: dict[int, _Scanned] = {}
+        ahead = 0  # the next archive to yield
+        with contextlib.closing(dask_tasks(options.dask, calls, [f"archive {url}" for url in urls],
+                                           retries=options.task_retries)) as results:
+            for position, scanned in results:
+                bar.update(1)
+                finished[position] = scanned
+                while ahead in finished:
+                    yield finished.pop(ahead)
+                    ahead += 1
+        return
+    if options.workers == 1 or len(urls) <= 1:
+        for url in urls:
+            scanned = _scan(kind, url, storage_options)
+            bar.update(1)
+            yield scanned
         return
     calls = [(_scan, kind, url, storage_options, pool_tick) for url in urls]
-    with worker_pool(min(workers, len(urls)), calls) as (futures, _):
+    with worker_pool(min(options.workers, len(urls)), calls) as (futures, _):
         for future in futures:
-            yield future.result()
+            scanned = future.result()
+            bar.update(1)
+            yield scanned
 
 
 def _check_out(fs: Any, base: str, out: str, storage_options: dict[str, Any] | None) -> set[str]:
@@ -370,19 +397,19 @@ class SeenKeys:
         return sum(len(run) for run in self.runs)
 
 
-def _index(kind: str, urls: list[str], names: list[str], workers: int, storage_options: dict[str, Any] | None, fs: Any,
-           base: str, splits: tuple[tuple[str, float], ...], max_skipped: int, progress: bool,
-           written: list[str]) -> tuple[IndexSummary, Manifest]:
+def _index(kind: str, urls: list[str], names: list[str], options: PackOptions, storage_options: dict[str, Any] | None,
+           fs: Any, base: str, progress: bool, written: list[str]) -> tuple[IndexSummary, Manifest]:
     """Each archive as it is scanned: keys seen in an earlier archive dropped (the first kept),
     samples split by key, its index files written (named in `written`); then the manifest to write."""
+    splits, max_skipped = options.splits, options.max_skipped
+    assert splits is not None
     keys, skipped, exts = SeenKeys(), [], set()
     tables: dict[str, list[ShardInfo]] = {name: [] for name, _ in splits}
     archives, counts, ignored = [], collections.Counter(), 0
     bar = Progress(len(urls), progress, unit="archive", what="indexed %d/%d archives")
     try:
-        with contextlib.closing(_map(kind, urls, workers, storage_options)) as scans:
+        with contextlib.closing(_map(kind, urls, options, storage_options, bar)) as scans:
             for number, (url, name, result) in enumerate(zip(urls, names, scans)):
-                bar.update(1)
                 archives.append((result.bytes, result.sha256))
                 counts.update(result.counts)
                 ignored += result.ignored
@@ -423,9 +450,9 @@ def _index(kind: str, urls: list[str], names: list[str], workers: int, storage_o
         more = f" and {len(urls) - 1} more archives" if len(urls) > 1 else ""
         raise InputError(f"{urls[0]}{more}", f"no {kind} samples{why}: nothing to index")
     skipped.sort(key=lambda s: (s["key"], s["source"]))
-    options = {"splits": [list(s) for s in splits]}
-    fingerprint = hashlib.sha256(json.dumps([kind, options, names, archives]).encode())
-    manifest = Manifest(kind, tables, options, fingerprint.hexdigest(), tuple(skipped), origin="indexed",
+    stored = {"splits": [list(s) for s in splits]}
+    fingerprint = hashlib.sha256(json.dumps([kind, stored, names, archives]).encode())
+    manifest = Manifest(kind, tables, stored, fingerprint.hexdigest(), tuple(skipped), origin="indexed",
                         members=tuple(sorted(exts)))
     summary = IndexSummary(samples=len(keys), archives=len(urls), bytes=sum(b for b, _ in archives), skipped=len(skipped),
                            ignored=ignored, counts=dict(counts), skip_list=skipped)

@@ -37,14 +37,14 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from pipeline.errors import InputError, PackError, SampleError, TooManySkipped
+from pipeline.errors import InputError, PackError, SampleError, ShardstreamError, TooManySkipped
 from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name, shard_name
 from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import ShardWriter
 
 __all__ = [
     "Part", "SampleRef", "PackOptions", "PackSummary", "PackError", "Interrupted", "Progress", "TooManySkipped", "Source",
-    "pack", "parse_splits", "split_of", "exit_with_parent", "pool_tick", "worker_pool",
+    "pack", "parse_splits", "split_of", "exit_with_parent", "pool_tick", "worker_pool", "dask_tasks",
 ]
 
 log = logging.getLogger(__name__)
@@ -542,30 +542,108 @@ def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions,
 
 
 def _execute_dask(source: Source, tasks: list[_Task], out: str, options: PackOptions) -> Iterable[tuple[_Task, dict[str, Any]]]:
-    """The same shard tasks on a Dask cluster. A failed task is tried again (`task_retries`), a task
-    whose worker died is rescheduled by Dask; one that keeps failing stops the pack, naming its shard.
-    Workers write to `out` themselves: on a real cluster it must be storage they all reach."""
+    """The same shard tasks on a Dask cluster (`dask_tasks`). Workers write to `out` themselves: on a
+    real cluster it must be storage they all reach."""
+    assert options.dask is not None
+    calls = [(_run_task, source, task, out) for task in tasks]
+    names = [f"shard {task.name}" for task in tasks]
+    with contextlib.closing(dask_tasks(options.dask, calls, names, retries=options.task_retries)) as results:
+        for position, record in results:
+            yield tasks[position], record
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refused:
+    """What a task on Dask returns instead of raising a data error (raised again by the client)."""
+
+    error: ShardstreamError
+
+
+def _dask_call(function: Callable[..., Any], *args: Any) -> Any:
+    """A task on Dask: `function(*args)`. A data error (ShardstreamError: a missing or bad input) is the
+    same on every try, so it is returned, not raised: Dask tries again only what may go another way."""
     try:
-        from distributed import Client, LocalCluster, as_completed
+        return function(*args)
+    except ShardstreamError as exc:
+        return _Refused(exc)
+
+
+_dask_stops: dict[str, tuple[Any, float]] = {}  # in a Dask worker: each run's stop event, when last looked at
+
+
+@dataclasses.dataclass(frozen=True)
+class _DaskStop:
+    """The `tick` of a task on Dask, as `pool_tick` is in a pool: raises once the client has set the
+    run's stop event, looked at once a second at most (each look asks the scheduler)."""
+
+    event: str
+
+    def __call__(self, n: int) -> None:
+        event, looked = _dask_stops.get(self.event, (None, -1.0))
+        now = time.monotonic()
+        if looked >= 0 and now - looked < 1.0:
+            return
+        if event is None:
+            from distributed import Event
+
+            event = Event(self.event)
+        _dask_stops[self.event] = event, now
+        if event.is_set():
+            raise _Stopped("stopped by the client (Ctrl-C, or another task failed)")
+
+
+def _running(dask_worker: Any) -> int:
+    """On a Dask worker: how many tasks it runs now (cancelled ones included, until they stop)."""
+    return int(dask_worker.state.executing_count)
+
+
+def dask_tasks(address: str, calls: Sequence[tuple[Any, ...]], names: Sequence[str], *,
+               retries: int = 2) -> Iterator[tuple[int, Any]]:
+    """Each call `(function, *args)` run as one task on the Dask cluster at `address` (`tcp://host:8786`,
+    or `local:N`: a cluster of N local worker processes, made here and closed on leaving), with a
+    `tick(n)` appended to its arguments as `worker_pool`'s calls end with `pool_tick`: (the call's
+    position, its result) as each finishes. The packers and `shard-pack index` both run on it.
+
+    A task that fails is tried again (`retries` more times), one whose worker died is rescheduled by
+    Dask; one that keeps failing raises PackError naming it (`names[position]`, e.g. "shard
+    train-000003.tar"). A data error a task raises (ShardstreamError) is not tried again and is raised
+    here as it is, as the local pool raises it. On leaving early (Ctrl-C, an error, the caller closing
+    the generator), the queued tasks are cancelled and the running ones stop at their next tick
+    (within a second). The local cluster's workers ignore Ctrl-C (`shard_tools.dask_worker`): this
+    process handles it, as with `worker_pool`."""
+    try:
+        from distributed import Client, Event, LocalCluster, as_completed
     except ImportError as exc:
         raise PackError("--dask needs the dask extra: pip install 'shardstream[dask]'") from exc
-    assert options.dask is not None
-    if options.dask.startswith("local:"):
-        cluster = LocalCluster(n_workers=int(options.dask.removeprefix("local:")), threads_per_worker=1,
-                               processes=True, dashboard_address=None)
-        client = Client(cluster)
-    else:
-        cluster, client = None, Client(options.dask)
-    try:
-        futures = {client.submit(_run_task, source, task, out, None, key=f"shard-pack-{task.name}-{uuid.uuid4().hex[:8]}",
-                                 retries=options.task_retries, pure=False): task for task in tasks}
-        for future in as_completed(futures):
-            task = futures[future]
-            try:
-                yield task, future.result()
-            except Exception as exc:
-                raise PackError(f"shard {task.name} failed on the Dask cluster after retries: {exc!r}") from exc
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+    run = f"shard-pack-{uuid.uuid4().hex[:12]}"
+    tick = _DaskStop(f"{run}-stop")
+    futures: dict[Any, int] = {}
+    with contextlib.ExitStack() as stack:
+        if address.startswith("local:"):
+            cluster = stack.enter_context(LocalCluster(
+                n_workers=int(address.removeprefix("local:")), threads_per_worker=1, processes=True,
+                dashboard_address=None, preload=["shard_tools.dask_worker"]))
+            client = stack.enter_context(Client(cluster))
+        else:
+            client = stack.enter_context(Client(address))
+        try:
+            for position, (function, *args) in enumerate(calls):
+                futures[client.submit(_dask_call, function, *args, tick, key=f"{run}-{position}", retries=retries,
+                                      pure=False)] = position
+            for future in as_completed(futures):
+                position = futures[future]
+                try:
+                    result = future.result()
+                except Exception as exc:
+                    raise PackError(f"{names[position]} failed on the Dask cluster after retries: {exc!r}") from exc
+                if isinstance(result, _Refused):
+                    raise result.error
+                yield position, result
+        finally:
+            if any(not future.done() for future in futures):
+                client.cancel(list(futures))
+                Event(tick.event, client=client).set()  # (after the cancel: a task it stops is not tried again)
+                if address.startswith("local:"):  # (closed while a task runs, a worker logs a warning per task)
+                    deadline = time.monotonic() + 10
+                    while any(client.run(_running).values()) and time.monotonic() < deadline:
+                        time.sleep(0.05)

@@ -239,7 +239,8 @@ def test_progress_on_a_terminal_counts_samples_as_they_are_written(many, tmp_pat
     assert any(n % 800 for n in counts), f"progress inside a shard, not only once per shard: {counts}"
 
 
-def test_ctrl_c_during_an_index_run_prints_one_line_exits_130_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("where", [["--workers", "2"], ["--dask", "local:2"]], ids=["pool", "dask"])
+def test_ctrl_c_during_an_index_run_prints_one_line_exits_130_and_leaves_nothing(tmp_path, where):
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
     for i in range(8):  # big but sparse: the scan hashes 256 MiB of each, the disk holds next to nothing
@@ -249,10 +250,11 @@ def test_ctrl_c_during_an_index_run_prints_one_line_exits_130_and_leaves_nothing
             f.write(info.tobuf(format=tarfile.USTAR_FORMAT))
             f.truncate(512 + info.size + 1024)
 
-    run = _interrupt(["index", "webdataset", str(src), str(out), "--workers", "2"], lambda: any(out.glob("*.idx")))
+    run = _interrupt(["index", "webdataset", str(src), str(out), *where], lambda: any(out.glob("*.idx")))
     assert run.returncode == 130, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     lines = [line for line in run.stderr.splitlines() if "interrupted" in line]
     assert len(lines) == 1 and re.fullmatch(r"shard-pack: interrupted after [1-7] of 8 archives; the index files of "
                                             r"this run are removed: run the same command to start again", lines[0])
+    assert [line for line in run.stderr.splitlines() if not line.startswith("indexed ")] == lines, "nothing else"
     assert not out.exists()
