@@ -24,6 +24,7 @@ import re
 import sys
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any
 
 from pipeline.errors import InputError, ShardstreamError
 from pipeline.storage import read_manifest
@@ -49,6 +50,26 @@ def _size(text: str) -> int:
     return int(float(match[1]) * _UNITS[match[2] or ""])
 
 
+def _storage_options(text: str) -> dict[str, Any]:
+    """`--storage-options`: a JSON object, given as it is or as `@FILE`. Messages never echo it (it may
+    hold credentials)."""
+    if text.startswith("@"):
+        try:
+            text = pathlib.Path(text[1:]).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg} at character {exc.pos}): want a JSON object of "
+                                         """fsspec options, e.g. '{"anon": true}', or @FILE holding one""") from None
+    if not isinstance(value, dict):
+        what = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
+        raise argparse.ArgumentTypeError(f"want a JSON object of fsspec options (name: value), e.g. "
+                                         f"""'{{"anon": true}}', not {what}""")
+    return value
+
+
 def _split_file(text: str) -> tuple[str, str]:
     name, _, file = text.partition("=")
     if not name.strip() or not file.strip():
@@ -61,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines")
     quiet = argparse.ArgumentParser(add_help=False)  # -q after the subcommand too (SUPPRESS: not unset if before)
     quiet.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bar or lines")
+    storage = argparse.ArgumentParser(add_help=False)  # every subcommand that reads a dataset or archives by URL
+    storage.add_argument("--storage-options", type=_storage_options, metavar="JSON", help="fsspec's options for "
+                         """the URLs read, as make_stream_loader's storage_options: a JSON object, e.g. '{"client_kwargs": """
+                         """{"endpoint_url": "https://s3.example.com"}}', or @FILE holding one (credentials stay off """
+                         "the command line); default: the environment's (AWS_*)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("sa1b", parents=[quiet], help="pack SA-1B (.tar archives and/or folders of sa_<id>.jpg + sa_<id>.json)")
@@ -111,14 +137,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
     p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
 
-    _index_parser(sub, quiet)
+    _index_parser(sub, quiet, storage)
 
-    for name, text, parents in (("inspect", "print a dataset's manifest summary", []),
-                                ("verify", "check every shard's checksum and index, and decode every sample", [quiet]),
+    for name, text, parents in (("inspect", "print a dataset's manifest summary", [storage]),
+                                ("verify", "check every shard's checksum and index, and decode every sample", [quiet, storage]),
                                 ("upgrade", "write the shard indexes and manifest of the current schema for an older "
-                                 "dataset, in place (no shard is rewritten; safe to run again)", [quiet])):
+                                 "dataset, in place (no shard is rewritten; safe to run again)", [quiet, storage])):
         sub.add_parser(name, parents=parents, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
-    _reading_parsers(sub, quiet)
+    _reading_parsers(sub, quiet, storage)
     return parser
 
 
@@ -141,7 +167,8 @@ def _int_or_none(text: str) -> int | None:
 _KIND_OPTIONS = ("image_size", "mask_size", "max_masks", "per", "fields")
 
 
-def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser) -> None:
+def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser,
+                     storage: argparse.ArgumentParser) -> None:
     kind = argparse.ArgumentParser(add_help=False)  # the loader's kind options; only those given are passed
     group = kind.add_argument_group("kind options (as make_stream_loader's; default: the loader's)")
     group.add_argument("--image-size", type=_int_or_none, default=argparse.SUPPRESS, help="SA-1B, VQA (VQA: none = as stored)")
@@ -151,7 +178,7 @@ def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentPa
     group.add_argument("--fields", type=lambda t: tuple(t.split(",")), default=argparse.SUPPRESS,
                        help="embeddings: the fields to read, e.g. question_emb,relevance")
 
-    p = sub.add_parser("tune", parents=[quiet, kind], help="measure the loader on this dataset and machine across "
+    p = sub.add_parser("tune", parents=[quiet, storage, kind], help="measure the loader on this dataset and machine across "
                        "num_workers (prefetch_factor, read_ahead) and recommend settings",
                        description="Run each setting in a subprocess of its own; print samples/s, CPU per sample, "
                        "peak memory of the process tree and time to the first batch per setting, and recommend, among "
@@ -169,7 +196,7 @@ def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentPa
     p.add_argument("--plot", metavar="FILE.png", help="draw samples/s and CPU per sample against num_workers")
     p.add_argument("--json", metavar="FILE", help="write the rows and the recommendation as JSON")
 
-    p = sub.add_parser("preview", parents=[kind], help="draw a split's first decoded samples as the loader yields them "
+    p = sub.add_parser("preview", parents=[storage, kind], help="draw a split's first decoded samples as the loader yields them "
                        "(SA-1B: masks and boxes over the image; VQA: question and answer; embeddings: field statistics)")
     p.add_argument("out", metavar="OUT", help="dataset folder or URL")
     p.add_argument("--split", required=True)
@@ -186,7 +213,7 @@ def _run_reading(args: argparse.Namespace) -> None:
         result = tune(args.out, args.split, batch_size=args.batch_size, workers=args.workers,
                       prefetch_factors=args.prefetch, read_aheads=args.read_ahead, batches=args.batches,
                       warmup=args.warmup, seconds=args.seconds, device=args.device, options=options,
-                      progress=not args.quiet)
+                      progress=not args.quiet, storage_options=args.storage_options)
         print("\n".join(result.lines()))
         if args.plot:
             write_png(plot(result), args.plot)
@@ -196,21 +223,22 @@ def _run_reading(args: argparse.Namespace) -> None:
             print(f"rows: {args.json}")
     else:
         shown = preview(args.out, args.split, n=args.n, seed=args.seed, tile=args.tile, columns=args.columns,
-                        options=options)
+                        options=options, storage_options=args.storage_options)
         write_png(shown.image, args.png)
         print(f"preview: {args.png} ({shown.image.width}x{shown.image.height}): {', '.join(shown.keys)}")
 
 
 # -- index: original archives, in place ------------------------------------------------------------
 
-def _index_parser(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser) -> None:
+def _index_parser(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser,
+                  storage: argparse.ArgumentParser) -> None:
     """`shard-pack index sa1b|webdataset SRC... OUT`."""
     p = sub.add_parser("index", help="index original archives in place (SA-1B as Meta ships it, or any WebDataset "
                        "tars): OUT gets index files and a manifest, never a copy of the data")
     kinds = p.add_subparsers(dest="index_kind", required=True)
     for kind, text in (("sa1b", "SA-1B .tar archives (sa_<id>.jpg + sa_<id>.json), every pair checked as packing does"),
                        ("webdataset", "any WebDataset tars (members grouped by key, as webdataset does)")):
-        k = kinds.add_parser(kind, parents=[quiet], help=text)
+        k = kinds.add_parser(kind, parents=[quiet, storage], help=text)
         k.add_argument("sources", nargs="+", metavar="SRC", help=".tar archives or folders of them (local or URLs)")
         k.add_argument("out", metavar="OUT", help="dataset folder: the archives may sit in it (named relative to it)")
         k.add_argument("--split", default="train=1", help="split fractions by key hash, as packing, e.g. train=0.99,val=0.01")
@@ -223,7 +251,7 @@ def _index_parser(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParse
 def _index(args: argparse.Namespace) -> None:
     summary = index_archives(args.index_kind, args.sources, args.out, splits=parse_splits(args.split),
                              workers=args.workers, max_skipped=args.max_skipped, progress=not args.quiet,
-                             dask=args.dask)
+                             dask=args.dask, storage_options=args.storage_options)
     for skip in summary.skip_list[:20]:
         log.warning("skipped %s", skip["reason"])
     print("\n".join(summary.lines()))
@@ -271,13 +299,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "index":
             _index(args)
         elif args.command == "inspect":
-            print("\n".join(describe(read_manifest(args.out), args.out)))
+            print("\n".join(describe(read_manifest(args.out, args.storage_options), args.out)))
         elif args.command in ("tune", "preview"):
             _run_reading(args)
         elif args.command == "upgrade":
-            print(upgrade(args.out, progress=not args.quiet))
+            print(upgrade(args.out, progress=not args.quiet, storage_options=args.storage_options))
         else:
-            problems = verify(args.out, progress=not args.quiet)
+            problems = verify(args.out, progress=not args.quiet, storage_options=args.storage_options)
             for problem in problems:
                 print(problem)
             print(f"verify: {len(problems)} problems" if problems else "verify: OK")

@@ -53,14 +53,15 @@ def mask_colours(n: int) -> list[tuple[int, int, int]]:
 
 
 def preview(source: str, split: str, *, n: int = 8, seed: int = 0, tile: int = 256, columns: int = 4,
-            options: dict[str, Any] | None = None) -> Preview:
+            options: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None) -> Preview:
     """The first `n` samples of `split` (shuffled by `seed`), decoded with the kind's `options`
-    as `make_stream_loader` does and checked by `validate_first_batch`, drawn in a grid."""
+    as `make_stream_loader` does and checked by `validate_first_batch`, drawn in a grid.
+    `storage_options` as the loader's (fsspec's, e.g. an s3 endpoint and credentials)."""
     if n < 1 or tile < 16 or columns < 1:
         raise ValueError(f"n must be >= 1, tile >= 16 and columns >= 1, got {n}, {tile}, {columns}")
-    kind = read_manifest(source).kind
+    kind = read_manifest(source, storage_options).kind
     loader = make_stream_loader(source, split, batch_size=n, num_workers=0, seed=seed, drop_last=False,
-                                **(options or {}))
+                                storage_options=storage_options, **(options or {}))
     batch = validate_first_batch(loader)
     if kind == "embeddings":
         return _embeddings(batch)

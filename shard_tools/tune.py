@@ -1,8 +1,9 @@
 """`shard-pack tune`: measure a dataset's loader on this machine across `num_workers`,
 `prefetch_factor` and `read_ahead`, and recommend settings.
 
-Each setting runs in a subprocess of its own (`python -m shard_tools.tune SPEC`), so its memory
-and CPU are its own. The child makes the loader, reads `warmup` batches, then times up to
+Each setting runs in a subprocess of its own (`python -m shard_tools.tune`, its spec as JSON on
+stdin: never on a command line, where other users can read it, since `storage_options` may hold
+credentials), so its memory and CPU are its own. The child makes the loader, reads `warmup` batches, then times up to
 `batches` batches (or `seconds`) in windows and reports one JSON line. It reports:
 - samples/s: the median of the windows' rates;
 - CPU per sample: over the timed batches, for the child and its DataLoader workers together;
@@ -18,6 +19,7 @@ peak memory (then the least CPU per sample, then the fewest workers).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -140,9 +142,11 @@ def tune(
     device: str | None = None,
     options: dict[str, Any] | None = None,
     progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> TuneResult:
     """Measure every setting (`workers` x `prefetch_factors` x `read_aheads`; prefetch only with
     workers) on `split` of `source` with the kind's `options`, and recommend one (see the module).
+    `storage_options` as `make_stream_loader`'s (fsspec's, e.g. an s3 endpoint and credentials).
     Raises ValueError for bad arguments (checked by making a loader here first)."""
     workers = default_workers() if workers is None else tuple(workers)
     for name, values, low in (("workers", workers, 0), ("prefetch_factors", prefetch_factors, 1),
@@ -152,11 +156,12 @@ def tune(
     if batches < 1 or warmup < 1 or seconds <= 0:
         raise ValueError(f"batches and warmup must be >= 1 and seconds > 0, got {batches}, {warmup}, {seconds}")
     options = dict(options or {})
-    make_stream_loader(source, split, batch_size=batch_size, num_workers=0, **options)  # refuses what it cannot do
+    make_stream_loader(source, split, batch_size=batch_size, num_workers=0, storage_options=storage_options,
+                       **options)  # refuses what it cannot do
     settings = list(dict.fromkeys(Setting(w, p if w else 2, r) for w in workers for p in prefetch_factors
                                   for r in read_aheads))
     spec = dict(source=source, split=split, batch_size=batch_size, batches=batches, warmup=warmup, seconds=seconds,
-                device=device, options=options)
+                device=device, options=options, storage_options=storage_options)
     bar = Progress(len(settings) * (warmup + batches), progress, unit="batch", what="tune: %d/%d batches")
     try:
         rows = []
@@ -208,8 +213,11 @@ def plot(result: TuneResult, width: int = 480, height: int = 320) -> Image.Image
 def _measure(spec: dict[str, Any], setting: Setting, bar: Progress) -> Row:
     """Run one setting in a child process, sampling its tree's memory while it runs."""
     with tempfile.TemporaryFile() as errors:
-        child = subprocess.Popen([sys.executable, "-m", "shard_tools.tune", json.dumps(spec)], stdout=subprocess.PIPE,
-                                 stderr=errors, text=True)
+        child = subprocess.Popen([sys.executable, "-m", "shard_tools.tune"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=errors, text=True)
+        assert child.stdin is not None and child.stdout is not None
+        with child.stdin, contextlib.suppress(BrokenPipeError):  # (a child that died at once: told below)
+            child.stdin.write(json.dumps(spec))
         peak, done = [None], threading.Event()
         sampler = threading.Thread(target=_sample_memory, args=(child.pid, peak, done), daemon=True)
         sampler.start()
@@ -292,7 +300,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     loader = make_stream_loader(spec["source"], spec["split"], batch_size=spec["batch_size"],
                                 num_workers=spec["num_workers"], prefetch_factor=spec["prefetch_factor"],
-                                read_ahead=spec["read_ahead"], device=spec["device"], seed=0, **spec["options"])
+                                read_ahead=spec["read_ahead"], device=spec["device"], seed=0,
+                                storage_options=spec["storage_options"], **spec["options"])
     warmup, window = spec["warmup"], max(1, spec["batches"] // 5)
     first = mark = deadline = cpu = None
     rates: list[float] = []
@@ -313,4 +322,4 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
+    print(json.dumps(_child(json.loads(sys.stdin.read()))), flush=True)

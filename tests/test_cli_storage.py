@@ -1,0 +1,130 @@
+"""`--storage-options JSON` on every `shard-pack` subcommand that reads a dataset or archives by
+URL (inspect, verify, upgrade, preview, tune, index), against the local S3-compatible server
+(SeaweedFS on 127.0.0.1, explicit credentials), with no credentials or endpoint in the environment:
+the options alone say where and who."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import s3fs
+
+from shard_tools.cli import main
+from shard_tools.locals3 import AWS_ENV, SECRET, SeaweedFS, storage_options
+
+SMALL = ["--image-size", "32", "--mask-size", "8", "--max-masks", "2"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    os.environ.update({k: v for k, v in AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
+    weed = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    weed.start()
+    yield weed
+    weed.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_credentials_in_the_environment(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+
+
+def _upload(server: SeaweedFS, folder: str | pathlib.Path) -> str:
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    bucket = f"t{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    fs.put(str(folder) + "/", f"{bucket}/data/", recursive=True)
+    return f"s3://{bucket}/data"
+
+
+@pytest.fixture(scope="module")
+def remote(server, sa1b_dataset) -> str:
+    return _upload(server, sa1b_dataset)
+
+
+def _options(server: SeaweedFS) -> list[str]:
+    return ["--storage-options", json.dumps(storage_options(server.endpoint))]
+
+
+def test_inspect_and_verify_read_s3_with_the_options_given(remote, server, capsys):
+    assert main(["inspect", remote]) != 0, "no credentials or endpoint in the environment"
+    capsys.readouterr()
+    assert main(["inspect", remote, *_options(server)]) == 0
+    assert "split train:" in capsys.readouterr().out
+    assert main(["-q", "verify", remote, *_options(server)]) == 0
+    assert capsys.readouterr().out.strip().endswith("verify: OK")
+
+
+def test_options_from_a_file(remote, server, tmp_path, capsys):
+    (tmp_path / "s3.json").write_text(json.dumps(storage_options(server.endpoint)))
+    assert main(["inspect", remote, "--storage-options", f"@{tmp_path / 's3.json'}"]) == 0
+    assert "split train:" in capsys.readouterr().out
+
+
+def test_upgrade_on_s3_with_the_options_given(server, sa1b_dataset, tmp_path, capsys):
+    from test_index import _downgrade
+
+    old = tmp_path / "old"
+    shutil.copytree(sa1b_dataset, old)
+    _downgrade(old)
+    url = _upload(server, old)
+    assert main(["-q", "upgrade", url, *_options(server)]) == 0
+    assert "upgraded from schema 2" in capsys.readouterr().out
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    for path in pathlib.Path(sa1b_dataset).iterdir():
+        assert fs.cat_file(f"{url}/{path.name}".removeprefix("s3://")) == path.read_bytes(), path.name
+
+
+def test_preview_and_tune_read_s3_with_the_options_given(remote, server, sa1b_dataset, tmp_path, capsys, monkeypatch):
+    argv = ["preview", remote, "--split", "train", "-n", "4", "--out", str(tmp_path / "s3.png"), *SMALL]
+    assert main([*argv, *_options(server)]) == 0
+    assert main(["preview", sa1b_dataset, *argv[2:-len(SMALL) - 2], "--out", str(tmp_path / "local.png"), *SMALL]) == 0
+    assert (tmp_path / "s3.png").read_bytes() == (tmp_path / "local.png").read_bytes()
+    capsys.readouterr()
+    argv = ["-q", "tune", remote, "--split", "train", "--batch-size", "2", "--workers", "0", "--batches", "2",
+            "--warmup", "1", *SMALL]
+    commands = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, args, *rest, **kwargs):
+            commands.append(list(args))
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    assert main([*argv, *_options(server)]) == 0, "the measuring process reads s3 with the options too"
+    assert "recommended: num_workers=0" in capsys.readouterr().out
+    assert commands and not any(SECRET in " ".join(c) for c in commands), "credentials never on a command line"
+
+
+def test_index_archives_on_s3_into_s3_with_the_options_given(server, sa1b_src, capsys):
+    url = _upload(server, sa1b_src)
+    assert main(["-q", "index", "sa1b", url, f"{url}-index", "--workers", "2", *_options(server)]) == 0
+    assert "indexed" in capsys.readouterr().out
+    assert main(["-q", "verify", f"{url}-index", *_options(server)]) == 0
+
+
+@pytest.mark.parametrize("value, message", [
+    ("[1]", "want a JSON object of fsspec options (name: value), e.g. '{\"anon\": true}', not an array"),
+    ('"anon"', "not a string"),
+    ("3", "not a number"),
+    ('{"secret": "s3cr3t"', "not JSON (Expecting ',' delimiter at character 19)"),
+    ("@/no/such/file.json", "cannot read '/no/such/file.json': No such file or directory"),
+])
+@pytest.mark.parametrize("command", [["inspect"], ["verify"], ["upgrade"], ["preview", "--split", "t", "--out", "x.png"],
+                                     ["tune", "--split", "t", "--batch-size", "1"], ["index", "sa1b", "src"]])
+def test_storage_options_must_be_a_json_object(command, value, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([*command, "/d", "--storage-options", value])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --storage-options: " in err and message in err and "s3cr3t" not in err, err
