@@ -21,6 +21,7 @@ from pipeline.format import BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInf
 from pipeline.kinds import KINDS, Kind
 from pipeline.stats import Clock
 from pipeline.storage import Retry, ShardReader, filesystem, is_local, join, read_manifest, shard_url, write_bytes
+from pipeline.storage.ranged import Ranged, ranged_reader
 from pipeline.tario import parse_sample, sample_members
 
 __all__ = ["describe", "verify", "upgrade"]
@@ -57,18 +58,20 @@ def _samples(fs: Any, path: str, index: ShardIndex) -> Iterator[tuple[int, bytes
             yield i, f.read(end - start)
 
 
-def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] | None = None) -> list[str]:
+def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] | None = None,
+           retry: Retry = Retry()) -> list[str]:
     """Every problem in the dataset: missing shards or indexes, sizes or checksums that disagree
     with the manifest, indexes that disagree with their shards, undecodable samples. Samples are
     read as the loader reads them: the shard's index and each sample's bytes through a
     `ShardReader`, its members by `tario`, decoded by the kind (`Kind.for_verify`: everything).
-    A shard on object storage is streamed once, into a temporary file (one shard at a time, in
-    TMPDIR) as it is hashed, and its samples are read from that copy: one sequential read per
-    shard, not a range request per sample."""
+    A shard on object storage is streamed once, by one request, into a temporary file (one shard
+    at a time, in TMPDIR) as it is hashed, and its samples are read from that copy. A transient
+    failure mid-stream (a cut, a reset, 5xx, SlowDown) is retried under `retry`, resuming from the
+    bytes received; a shard that cannot be read past it is a problem naming it and the cause."""
     manifest = read_manifest(root, storage_options)
     kind_class = KINDS.get(manifest.kind)  # (None: a kind whose samples only the user decodes: members checked)
     kind = kind_class.for_verify(manifest) if kind_class is not None else None
-    reader = ShardReader(root, storage_options, Retry())
+    reader = ShardReader(root, storage_options, retry)
     packed = manifest.origin == "packed"
     problems: list[str] = []
     total = sum(split.samples for split in manifest.splits.values())
@@ -92,7 +95,13 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
                 problems.append(f"{url}: {size} bytes, the manifest says {shard.bytes}")
             with contextlib.ExitStack() as stack:
                 copy = None if is_local(shard_fs) else stack.enter_context(tempfile.TemporaryFile(prefix="shard-pack-verify-"))
-                sha256 = _sha256(shard_fs, path, copy)
+                try:
+                    sha256 = _sha256(shard_fs, path) if copy is None else \
+                        _download(ranged_reader(url, storage_options, retry), size, copy)
+                except ShardError as exc:  # (past the retries: the shard is not checked)
+                    problems.append(f"{exc}; its samples are not checked")
+                    bar.update(shard.samples)
+                    continue
                 if sha256 != shard.sha256:
                     problems.append(f"{url}: SHA-256 {sha256}, the manifest says {shard.sha256}")
                 read = functools.partial(reader.read, shard.name, shard.bytes, shard.sha256) if copy is None else \
@@ -104,16 +113,24 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
     return problems
 
 
-def _sha256(fs: Any, path: str, copy: IO[bytes] | None) -> str:
-    """A shard's SHA-256, read front to back in large blocks, written to `copy` as it comes (if given)."""
+def _sha256(fs: Any, path: str) -> str:
+    """A local shard's SHA-256, read front to back in large blocks."""
     digest = hashlib.sha256()
     with fs.open(path, "rb", block_size=_READ_BLOCK) as f:
         while block := f.read(_READ_BLOCK):
             digest.update(block)
-            if copy is not None:
-                copy.write(block)
-    if copy is not None:
-        copy.flush()
+    return digest.hexdigest()
+
+
+def _download(shard: Ranged, size: int, copy: IO[bytes]) -> str:
+    """The SHA-256 of a shard on object storage, streamed into `copy` as it is hashed: one request
+    (`Ranged.stream`), resumed after a transient failure from the bytes already handed over; a
+    ShardError naming the shard past the retries."""
+    digest = hashlib.sha256()
+    for chunk in shard.stream(0, size):
+        digest.update(chunk)
+        copy.write(chunk)
+    copy.flush()
     return digest.hexdigest()
 
 

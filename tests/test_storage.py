@@ -584,6 +584,70 @@ def test_verify_on_object_storage_reads_each_shard_once_and_checks_every_sample(
     assert any(f"sample {index.key(1)!r}" in p for p in problems), problems
 
 
+def _verify_victim(server: SeaweedFS, sa1b_dataset: str) -> tuple[str, str, int]:
+    """A fresh copy of the dataset on the server: (its root, the shard the tests below fault, its size)."""
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    root = f"s3://{_bucket(server)}/sa1b"
+    fs.put(sa1b_dataset + "/", root[5:] + "/", recursive=True)
+    shard, _ = indexed(sa1b_dataset)[1]
+    return root, shard.name, shard.bytes
+
+
+def _tar_gets(proxy: FaultProxy, name: str | None = None) -> list[str]:
+    """The ranges asked for by GETs of shard `name` (or the names of every shard GET)."""
+    gets = [r for r in proxy.gets() if r.target.split("?")[0].endswith(".tar")]
+    if name is None:
+        return [r.target.split("?")[0].rsplit("/", 1)[1] for r in gets]
+    return [r.headers.get("range") for r in gets if r.target.split("?")[0].endswith(f"/{name}")]
+
+
+@pytest.mark.parametrize("then", [None, "reset", "error500", "slowdown"])
+def test_verify_resumes_a_cut_stream_from_the_byte_reached(server, sa1b_dataset, proxy, monkeypatch, then):
+    """A shard's stream cut in the middle is asked for again from the byte reached (not from its
+    start), also when the requests that resume it meet a reset, a 500 or a 503 SlowDown first, each
+    after its own backoff with jitter; verify reports OK."""
+    monkeypatch.setattr(storage.s3, "STREAM_CHUNK", 1)  # (bytes handed over as they arrive: the cut's own byte)
+    root, name, size = _verify_victim(server, sa1b_dataset)
+    half = size // 2
+    victim = lambda r: r.method == "GET" and r.target.split("?")[0].endswith(f"/{name}")  # noqa: E731
+    proxy.fault("cut", count=1, after_bytes=half, match=victim)
+    if then is not None:
+        proxy.fault(then, count=2, match=victim)
+    retry = Retry(attempts=4, initial_delay=0.1, max_delay=0.25, throttle_seconds=0)
+    random.seed(23)
+    waits = [retry.delay(n) for n in (1, 2, 3)]
+    random.seed(23)
+    assert verify(root, progress=False, storage_options=storage_options(proxy.endpoint), retry=retry) == []
+    resumed = [f"bytes={half}-{size - 1}"] * (1 if then is None else 3)
+    assert _tar_gets(proxy, name) == [f"bytes=0-{size - 1}", *resumed]
+    assert proxy.served("cut") == 1 and (then is None or proxy.served(then) == 2)
+    times = [r.at for r in proxy.gets() if victim(r)]
+    for gap, wait in zip(np.diff(times), waits):
+        assert wait <= gap < wait + 0.5, (gap, wait)  # each try after its own backoff
+    names = _tar_gets(proxy)
+    assert all(names.count(other) == 1 for other in set(names) - {name}), "every other shard: one request"
+
+
+@pytest.mark.parametrize("then", ["reset", "error500"])
+def test_verify_past_the_retry_bound_names_the_shard(server, sa1b_dataset, proxy, monkeypatch, then, capsys):
+    """Cut, then failing every try: a problem naming the shard, the bytes and the cause after exactly
+    `attempts` tries from the byte reached; the other shards are still verified."""
+    monkeypatch.setattr(storage.s3, "STREAM_CHUNK", 1)
+    root, name, size = _verify_victim(server, sa1b_dataset)
+    half = size // 2
+    victim = lambda r: r.method == "GET" and r.target.split("?")[0].endswith(f"/{name}")  # noqa: E731
+    proxy.fault("cut", count=1, after_bytes=half, match=victim)
+    proxy.fault(then, count=1000, match=victim)
+    cause = "S3Error: 500 InternalError: We encountered an internal error." if then == "error500" else "ConnectionError"
+    problems = verify(root, progress=False, storage_options=storage_options(proxy.endpoint), retry=FAST)
+    assert len(problems) == 1 and problems[0].startswith(f"{root}/{name}: cannot read bytes {half}-{size} after 4 "
+                                                         f"tries: {cause}"), problems
+    assert problems[0].endswith("; its samples are not checked")
+    assert _tar_gets(proxy, name) == [f"bytes=0-{size - 1}"] + [f"bytes={half}-{size - 1}"] * 3
+    names = _tar_gets(proxy)
+    assert all(names.count(other) == 1 for other in set(names) - {name}) and len(set(names)) > 1
+
+
 def _user_agents(proxy: FaultProxy, shards: bool) -> set[str]:
     return {r.headers.get("user-agent", "").split("/")[0] for r in proxy.requests
             if r.target.split("?")[0].endswith(".tar") == shards}
