@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from pipeline.errors import ShardError
-from pipeline.storage import s3
+from pipeline.storage.s3 import client as s3_client
 from pipeline.storage.fs import PIECE_BYTES, filesystem, read_range
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
 
@@ -34,8 +34,8 @@ class Client(Protocol):
 # scheme -> factory(url, storage_options): (a client made in this process, the object's path for it),
 # or None to leave the URL to fsspec.
 CLIENTS: dict[str, Callable[[str, dict[str, Any] | None], tuple[Client, str] | None]] = {
-    "s3": s3.client,
-    "s3a": s3.client,
+    "s3": s3_client,
+    "s3a": s3_client,
 }
 
 
