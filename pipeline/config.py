@@ -11,6 +11,7 @@ import torch
 
 from pipeline.plan import shuffle_name
 from pipeline.storage import Retry
+from pipeline.storage.places import check_roots
 from pipeline.tario import ReadLimits
 
 __all__ = ["LoaderConfig", "DATALOADER_SETTINGS"]
@@ -54,6 +55,9 @@ class LoaderConfig:
     rank: int | None = None  # with world_size; neither: torch.distributed's (see loader.make_stream_loader)
     world_size: int | None = None
     storage_options: dict[str, Any] | None = None  # fsspec's, for every source
+    # Places outside a dataset's folder that its manifest may name (paths or URLs; see `storage.places`):
+    # archives indexed in place elsewhere. Nothing else outside the folder is read.
+    allowed_roots: Sequence[str] = ()
     weights: Sequence[float] | None = None  # several sources mixed in these shares
     epoch_size: int | None = None  # samples per epoch of a mix
     stats_every: int | None = None  # log `loader.stats()` (INFO, logger "pipeline.loader") every this many batches
@@ -69,6 +73,7 @@ class LoaderConfig:
             object.__setattr__(self, "limits", ReadLimits())
         if self.retry is None:
             object.__setattr__(self, "retry", Retry())
+        object.__setattr__(self, "allowed_roots", check_roots(self.allowed_roots))
         for name, low in (("batch_size", 1), ("num_workers", 0), ("seed", 0), ("shuffle_window", 1),
                           ("unit_cache_bytes", 0), ("read_ahead", 0), ("read_threads", 1),
                           ("index_cache_bytes", 0), ("read_ahead_bytes", 0)):

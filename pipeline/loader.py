@@ -27,6 +27,7 @@ from pipeline.plan import Mix, Resume, World
 from pipeline.stats import MAIN_STAGES, Clock, LoaderStats
 from pipeline.state import ORDER_SETTINGS, STATE_VERSION, fingerprint, resume_point
 from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
+from pipeline.storage.places import Places
 from pipeline.stream import ShardStream, WorkerError
 
 __all__ = ["LoaderConfig", "LoaderStats", "StreamLoader", "make_stream_loader", "make_stream_dataset",
@@ -272,6 +273,9 @@ def _manifests(roots: list[str], split: str, config: LoaderConfig) -> list[Manif
     for root, manifest in zip(roots, manifests):
         if split not in manifest.splits:
             raise ValueError(f"{root}: no split {split!r}; the dataset has {sorted(manifest.splits)}")
+        places = Places(root, config.allowed_roots)
+        for name in manifest.splits[split].names:  # (a name outside the folder and the allowed roots: refused now)
+            places.url(name)
         if manifest.kind != manifests[0].kind:
             raise ValueError(f"cannot mix kinds: {roots[0]} is {manifests[0].kind}, {root} is {manifest.kind}")
         shards = manifest.splits[split]
@@ -334,6 +338,8 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     `secret`, `anon`). Samples are read by byte range, `read_ahead` batches ahead of decoding;
     transient failures are retried as `retry` says. With `cache_dir` and `cache_limit` (bytes),
     remote shards are kept whole on local disk, least recently used evicted (`storage.ShardCache`).
+    A dataset's names resolve inside its folder: shards elsewhere (archives indexed in place outside
+    it) are read only under `allowed_roots` (`storage.places`; docs/security.md).
 
     Checks of shard content: `verify="size"` (the default) compares each shard's size with the
     manifest's, one stat (or HEAD) per shard per iteration beside its first read: a shard cut or

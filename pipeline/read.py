@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import os
 import sys
 import threading
@@ -30,6 +31,10 @@ __all__ = ["MEMBER_GAP", "Opened", "ProcessReaders", "SampleReads", "member_rang
 
 Open = Callable[[dict[str, Any], str, str, int], Any]  # (members, url, key, units) -> an opened sample
 Members = list[tuple[str, int, int]]  # (extension, header offset, data bytes) of each, in shard order
+
+log = logging.getLogger(__name__)
+_CHECKED: concurrent.futures.Future[None] = concurrent.futures.Future()  # (a check done: nothing to wait for)
+_CHECKED.set_result(None)
 
 # Members of a sample this far apart or more are read by separate ranges. A range request costs
 # about as much as 1 MiB of transfer from object storage (~10-20 ms of latency at ~50-100 MB/s),
@@ -104,8 +109,8 @@ class ProcessReaders:
                 ends = np.cumsum([len(s.split) for s in self.sources]).tolist()
                 table = self.verified.numpy()
                 tables = [(table[end - len(s.split) : end], s.split.names) for s, end in zip(self.sources, ends)]
-            self.readers = [ShardReader(s.root, cfg.storage_options, cfg.retry, cache, verified, cfg.index_cache_bytes)
-                            for s, verified in zip(self.sources, tables)]
+            self.readers = [ShardReader(s.root, cfg.storage_options, cfg.retry, cache, verified, cfg.index_cache_bytes,
+                                        cfg.allowed_roots) for s, verified in zip(self.sources, tables)]
             self.opened = Opened(cfg.unit_cache_bytes)
             self.pid = os.getpid()
         return self.readers, self.opened
@@ -140,6 +145,7 @@ class SampleReads:
         self.sources, self.readers, self.opened, self.limits, self.open = sources, readers, opened, config.limits, open
         self.clock = clock or Clock(("read", "open"))
         self.pool = concurrent.futures.ThreadPoolExecutor(config.read_threads, thread_name_prefix="shardstream-read")
+        self.on_error = config.on_error
         self.sized: dict[tuple[int, int], concurrent.futures.Future[None]] = {}  # shards' size checks
         self.inflight: dict[Where, concurrent.futures.Future[list[tuple[int, bytes | memoryview, Members | None]]]] = {}
         self.taken: dict[Where, list[bytes | memoryview]] = {}  # taken and not kept open: released when `done`
@@ -179,11 +185,14 @@ class SampleReads:
 
     def _check(self, where: Where) -> int:
         """The sample's shard, its size checked the first time in this iteration: a shard replaced or cut
-        since packing is named at once (the cache checks cached shards' SHA-256 instead)."""
+        since packing is named before any of its samples is used (a shard the cache holds was checked
+        whole: its SHA-256)."""
         number, sample = where
         shard, _ = self.sources[number].where(sample)
-        if self.readers[number].cache is None and (number, shard) not in self.sized:
-            self.sized[(number, shard)] = self.pool.submit(self._check_size, number, sample)
+        if (number, shard) not in self.sized:
+            cache = self.readers[number].cache
+            self.sized[(number, shard)] = _CHECKED if cache is not None and \
+                cache.holds(self.sources[number].split.sha256[shard]) else self.pool.submit(self._check_size, number, sample)
         return shard
 
     def _submit(self, where: Where) -> None:
@@ -321,6 +330,13 @@ class SampleReads:
             reader.start_downloads()
 
     def settle(self) -> None:
+        """The end of an iteration: the shard cache's downloads finished. One that found another object
+        than its shard (`cache.Mismatch`) raises with on_error="raise" (samples of it were used before
+        its check ended), else is logged as an error."""
         self.start_downloads()  # (an epoch of one batch)
-        for reader in self.readers:
-            reader.settle()
+        mismatched = [exc for reader in self.readers for exc in reader.settle()]
+        for exc in mismatched[1:] if self.on_error == "raise" else mismatched:
+            log.error("%s; samples read from it before its download was checked were used", exc)
+        if mismatched and self.on_error == "raise":
+            raise ShardError(mismatched[0].url, f"{mismatched[0].message}; samples read from it before its download "
+                             "was checked were used") from mismatched[0]

@@ -87,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                          """the URLs read, as make_stream_loader's storage_options: a JSON object, e.g. '{"client_kwargs": """
                          """{"endpoint_url": "https://s3.example.com"}}', or @FILE holding one (credentials stay off """
                          "the command line); default: the environment's (AWS_*)")
+    allow = argparse.ArgumentParser(add_help=False)  # every subcommand that reads a dataset's shards
+    allow.add_argument("--allow-root", dest="allowed_roots", action="append", default=[], metavar="ROOT",
+                       help="a folder or URL outside the dataset's folder that its manifest may name (archives indexed "
+                       "in place elsewhere; make_stream_loader's allowed_roots); repeat for several")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("sa1b", parents=[quiet], help="pack SA-1B (.tar archives and/or folders of sa_<id>.jpg + sa_<id>.json)")
@@ -140,11 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     _index_parser(sub, quiet, storage)
 
     for name, text, parents in (("inspect", "print a dataset's manifest summary", [storage]),
-                                ("verify", "check every shard's checksum and index, and decode every sample", [quiet, storage]),
+                                ("verify", "check every shard's checksum and index, and decode every sample",
+                                 [quiet, storage, allow]),
                                 ("upgrade", "write the shard indexes and manifest of the current schema for an older "
                                  "dataset, in place (no shard is rewritten; safe to run again)", [quiet, storage])):
         sub.add_parser(name, parents=parents, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
-    _reading_parsers(sub, quiet, storage)
+    _reading_parsers(sub, quiet, storage, allow)
     return parser
 
 
@@ -168,7 +173,7 @@ _KIND_OPTIONS = ("image_size", "mask_size", "max_masks", "per", "fields")
 
 
 def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser,
-                     storage: argparse.ArgumentParser) -> None:
+                     storage: argparse.ArgumentParser, allow: argparse.ArgumentParser) -> None:
     kind = argparse.ArgumentParser(add_help=False)  # the loader's kind options; only those given are passed
     group = kind.add_argument_group("kind options (as make_stream_loader's; default: the loader's)")
     group.add_argument("--image-size", type=_int_or_none, default=argparse.SUPPRESS, help="SA-1B, VQA (VQA: none = as stored)")
@@ -178,7 +183,7 @@ def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentPa
     group.add_argument("--fields", type=lambda t: tuple(t.split(",")), default=argparse.SUPPRESS,
                        help="embeddings: the fields to read, e.g. question_emb,relevance")
 
-    p = sub.add_parser("tune", parents=[quiet, storage, kind], help="measure the loader on this dataset and machine across "
+    p = sub.add_parser("tune", parents=[quiet, storage, allow, kind], help="measure the loader on this dataset and machine across "
                        "num_workers (prefetch_factor, read_ahead) and recommend settings",
                        description="Run each setting in a subprocess of its own; print samples/s, CPU per sample, "
                        "peak memory of the process tree and time to the first batch per setting, and recommend, among "
@@ -196,7 +201,7 @@ def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentPa
     p.add_argument("--plot", metavar="FILE.png", help="draw samples/s and CPU per sample against num_workers")
     p.add_argument("--json", metavar="FILE", help="write the rows and the recommendation as JSON")
 
-    p = sub.add_parser("preview", parents=[storage, kind], help="draw a split's first decoded samples as the loader yields them "
+    p = sub.add_parser("preview", parents=[storage, allow, kind], help="draw a split's first decoded samples as the loader yields them "
                        "(SA-1B: masks and boxes over the image; VQA: question and answer; embeddings: field statistics)")
     p.add_argument("out", metavar="OUT", help="dataset folder or URL")
     p.add_argument("--split", required=True)
@@ -213,7 +218,8 @@ def _run_reading(args: argparse.Namespace) -> None:
         result = tune(args.out, args.split, batch_size=args.batch_size, workers=args.workers,
                       prefetch_factors=args.prefetch, read_aheads=args.read_ahead, batches=args.batches,
                       warmup=args.warmup, seconds=args.seconds, device=args.device, options=options,
-                      progress=not args.quiet, storage_options=args.storage_options)
+                      progress=not args.quiet, storage_options=args.storage_options,
+                      allowed_roots=args.allowed_roots)
         print("\n".join(result.lines()))
         if args.plot:
             write_png(plot(result), args.plot)
@@ -223,7 +229,7 @@ def _run_reading(args: argparse.Namespace) -> None:
             print(f"rows: {args.json}")
     else:
         shown = preview(args.out, args.split, n=args.n, seed=args.seed, tile=args.tile, columns=args.columns,
-                        options=options, storage_options=args.storage_options)
+                        options=options, storage_options=args.storage_options, allowed_roots=args.allowed_roots)
         write_png(shown.image, args.png)
         print(f"preview: {args.png} ({shown.image.width}x{shown.image.height}): {', '.join(shown.keys)}")
 
@@ -305,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "upgrade":
             print(upgrade(args.out, progress=not args.quiet, storage_options=args.storage_options))
         else:
-            problems = verify(args.out, progress=not args.quiet, storage_options=args.storage_options)
+            problems = verify(args.out, progress=not args.quiet, storage_options=args.storage_options,
+                              allowed_roots=args.allowed_roots)
             for problem in problems:
                 print(problem)
             print(f"verify: {len(problems)} problems" if problems else "verify: OK")

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,8 @@ from pipeline.errors import InputError, PackError, SampleError, ShardError, TooM
 from pipeline.format import (MANIFEST_NAME, SA1B_JPG, SA1B_JSON, WEBDATASET, IndexInfo, Manifest, ShardIndex, ShardInfo,
                              check_ext, check_key, check_shard_name)
 from pipeline.storage import filesystem, is_local, join, read_manifest, write_bytes
+from pipeline.storage.local import open_regular
+from pipeline.storage.places import within
 from pipeline.tario import BLOCK, ArchiveMember, ReadLimits, scan_archive
 from shard_tools.pack import Interrupted, PackOptions, Progress, dask_tasks, pool_tick, split_of, worker_pool
 from shard_tools.sa1b import check_pair
@@ -55,13 +58,19 @@ class IndexSummary:
     seconds: float = 0.0
     counts: dict[str, int] = dataclasses.field(default_factory=dict)  # kind-specific, e.g. masks
     skip_list: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    outside: list[str] = dataclasses.field(default_factory=list)  # folders outside OUT holding archives: to allow
 
     def lines(self) -> list[str]:
         extra = "".join(f", {v} {k}" for k, v in sorted(self.counts.items()))
         rate = self.bytes / self.seconds / 1e6 if self.seconds else 0.0
-        return [f"indexed {self.samples} samples{extra} in {self.archives} archives, {self.bytes / 1e6:.1f} MB, in place "
-                f"(no copy); {self.ignored} other members ignored",
-                f"skipped {self.skipped}; {self.seconds:.1f} s, {rate:.1f} MB/s"]
+        lines = [f"indexed {self.samples} samples{extra} in {self.archives} archives, {self.bytes / 1e6:.1f} MB, in place "
+                 f"(no copy); {self.ignored} other members ignored",
+                 f"skipped {self.skipped}; {self.seconds:.1f} s, {rate:.1f} MB/s"]
+        if self.outside:
+            lines.append(f"the archives lie outside the dataset's folder, where a loader reads only what you allow: "
+                         f"make_stream_loader(..., allowed_roots={self.outside!r}), shard-pack verify/tune/preview "
+                         + " ".join(f"--allow-root {place}" for place in self.outside))
+        return lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +232,13 @@ def _scan(kind: str, url: str, storage_options: dict[str, Any] | None,
     group, wanted = _KINDS[kind]
     fs, path = filesystem(url, storage_options)
     digest, size = hashlib.sha256(), 0
+    try:  # (a local archive only if it is a regular file: a FIFO or a device is skipped, named)
+        opened = os.fdopen(open_regular(path, url), "rb", _READ_BLOCK) if is_local(fs) else \
+            fs.open(path, "rb", block_size=_READ_BLOCK)
+    except FileNotFoundError as exc:
+        raise InputError(url, "archive is missing") from exc
+    except ShardError as exc:
+        return _Scanned(0, digest.hexdigest(), [], [{"source": url, "key": "", "reason": str(exc)}], 0, {})
 
     def read(n: int) -> bytes:
         nonlocal size
@@ -236,7 +252,7 @@ def _scan(kind: str, url: str, storage_options: dict[str, Any] | None,
     skipped: list[dict[str, str]] = []
     counts: collections.Counter[str] = collections.Counter()
     try:
-        with fs.open(path, "rb", block_size=_READ_BLOCK) as f:
+        with opened as f:
             samples = group(url, scan_archive(read, url, wanted, _LIMITS), skipped, counts)
             while read(_READ_BLOCK):  # (what follows the end-of-archive blocks: hashed too)
                 pass
@@ -321,7 +337,19 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     for name in sorted(earlier - _listed(manifest)):  # the earlier run's indexes no manifest lists now (and nothing else)
         fs.rm_file(join(base, name))
     summary.seconds = time.monotonic() - started
+    summary.outside = _outside(urls, out_url, is_local(fs))
     return summary
+
+
+def _outside(urls: list[str], out: str, local: bool) -> list[str]:
+    """The fewest folders outside `out` that hold the archives lying outside it (locally by real path,
+    as a loader follows links): what a loader must be allowed to read (`allowed_roots`)."""
+    folders = set()
+    for url in urls:
+        real = os.path.realpath(url) if local else url
+        if not within(real, os.path.realpath(out) if local else out):
+            folders.add(posixpath.dirname(real))
+    return sorted(f for f in folders if not any(f != g and within(f, g) for g in folders))
 
 
 def _map(kind: str, urls: list[str], options: PackOptions, storage_options: dict[str, Any] | None,

@@ -18,7 +18,7 @@ import os
 import pathlib
 import textwrap
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,15 +53,17 @@ def mask_colours(n: int) -> list[tuple[int, int, int]]:
 
 
 def preview(source: str, split: str, *, n: int = 8, seed: int = 0, tile: int = 256, columns: int = 4,
-            options: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None) -> Preview:
+            options: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
+            allowed_roots: Sequence[str] = ()) -> Preview:
     """The first `n` samples of `split` (shuffled by `seed`), decoded with the kind's `options`
     as `make_stream_loader` does and checked by `validate_first_batch`, drawn in a grid.
-    `storage_options` as the loader's (fsspec's, e.g. an s3 endpoint and credentials)."""
+    `storage_options` and `allowed_roots` as the loader's (fsspec's options, e.g. an s3 endpoint and
+    credentials; places outside the folder its manifest may name)."""
     if n < 1 or tile < 16 or columns < 1:
         raise ValueError(f"n must be >= 1, tile >= 16 and columns >= 1, got {n}, {tile}, {columns}")
     kind = read_manifest(source, storage_options).kind
     loader = make_stream_loader(source, split, batch_size=n, num_workers=0, seed=seed, drop_last=False,
-                                storage_options=storage_options, **(options or {}))
+                                storage_options=storage_options, allowed_roots=allowed_roots, **(options or {}))
     batch = validate_first_batch(loader)
     if kind == "embeddings":
         return _embeddings(batch)

@@ -143,10 +143,12 @@ def tune(
     options: dict[str, Any] | None = None,
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
+    allowed_roots: Sequence[str] = (),
 ) -> TuneResult:
     """Measure every setting (`workers` x `prefetch_factors` x `read_aheads`; prefetch only with
     workers) on `split` of `source` with the kind's `options`, and recommend one (see the module).
-    `storage_options` as `make_stream_loader`'s (fsspec's, e.g. an s3 endpoint and credentials).
+    `storage_options` and `allowed_roots` as `make_stream_loader`'s (fsspec's options, e.g. an s3
+    endpoint and credentials; places outside the folder its manifest may name).
     Raises ValueError for bad arguments (checked by making a loader here first)."""
     workers = default_workers() if workers is None else tuple(workers)
     for name, values, low in (("workers", workers, 0), ("prefetch_factors", prefetch_factors, 1),
@@ -157,11 +159,11 @@ def tune(
         raise ValueError(f"batches and warmup must be >= 1 and seconds > 0, got {batches}, {warmup}, {seconds}")
     options = dict(options or {})
     make_stream_loader(source, split, batch_size=batch_size, num_workers=0, storage_options=storage_options,
-                       **options)  # refuses what it cannot do
+                       allowed_roots=allowed_roots, **options)  # refuses what it cannot do
     settings = list(dict.fromkeys(Setting(w, p if w else 2, r) for w in workers for p in prefetch_factors
                                   for r in read_aheads))
     spec = dict(source=source, split=split, batch_size=batch_size, batches=batches, warmup=warmup, seconds=seconds,
-                device=device, options=options, storage_options=storage_options)
+                device=device, options=options, storage_options=storage_options, allowed_roots=list(allowed_roots))
     bar = Progress(len(settings) * (warmup + batches), progress, unit="batch", what="tune: %d/%d batches")
     try:
         rows = []
@@ -301,7 +303,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     loader = make_stream_loader(spec["source"], spec["split"], batch_size=spec["batch_size"],
                                 num_workers=spec["num_workers"], prefetch_factor=spec["prefetch_factor"],
                                 read_ahead=spec["read_ahead"], device=spec["device"], seed=0,
-                                storage_options=spec["storage_options"], **spec["options"])
+                                storage_options=spec["storage_options"], allowed_roots=spec["allowed_roots"],
+                                **spec["options"])
     warmup, window = spec["warmup"], max(1, spec["batches"] // 5)
     first = mark = deadline = cpu = None
     rates: list[float] = []

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from pipeline.format import BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInf
 from pipeline.kinds import KINDS, Kind
 from pipeline.stats import Clock
 from pipeline.storage import Retry, ShardReader, filesystem, is_local, join, read_manifest, shard_url, write_bytes
+from pipeline.storage.local import open_regular, regular_size
 from pipeline.storage.ranged import Ranged, ranged_reader
 from pipeline.tario import parse_sample, sample_members
 
@@ -59,7 +60,7 @@ def _samples(fs: Any, path: str, index: ShardIndex) -> Iterator[tuple[int, bytes
 
 
 def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] | None = None,
-           retry: Retry = Retry()) -> list[str]:
+           retry: Retry = Retry(), allowed_roots: Sequence[str] = ()) -> list[str]:
     """Every problem in the dataset: missing shards or indexes, sizes or checksums that disagree
     with the manifest, indexes that disagree with their shards, undecodable samples. Samples are
     read as the loader reads them: the shard's index and each sample's bytes through a
@@ -67,11 +68,13 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
     A shard on object storage is streamed once, by one request, into a temporary file (one shard
     at a time, in TMPDIR) as it is hashed, and its samples are read from that copy. A transient
     failure mid-stream (a cut, a reset, 5xx, SlowDown) is retried under `retry`, resuming from the
-    bytes received; a shard that cannot be read past it is a problem naming it and the cause."""
+    bytes received; a shard that cannot be read past it is a problem naming it and the cause.
+    Shards are read where the loader reads them: in the folder, or under `allowed_roots`, regular
+    files only (a name elsewhere, a link out of the folder, a FIFO or a device is a problem)."""
     manifest = read_manifest(root, storage_options)
     kind_class = KINDS.get(manifest.kind)  # (None: a kind whose samples only the user decodes: members checked)
     kind = kind_class.for_verify(manifest) if kind_class is not None else None
-    reader = ShardReader(root, storage_options, retry)
+    reader = ShardReader(root, storage_options, retry, allowed_roots=allowed_roots)
     packed = manifest.origin == "packed"
     problems: list[str] = []
     total = sum(split.samples for split in manifest.splits.values())
@@ -79,9 +82,11 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
     for shards in manifest.splits.values():
         for shard in shards:
             url = shard_url(root, shard.name)
-            shard_fs, path = filesystem(url, storage_options)
             try:
-                size = shard_fs.size(path)
+                url = reader.places.url(shard.name)
+                shard_fs, path = filesystem(url, storage_options)
+                path = reader.places.real(path, url) if is_local(shard_fs) else path
+                size = regular_size(path, url) if is_local(shard_fs) else shard_fs.size(path)
                 index = reader.index(shard)
             except FileNotFoundError:
                 problems.append(f"{url}: shard is missing")
@@ -96,7 +101,7 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
             with contextlib.ExitStack() as stack:
                 copy = None if is_local(shard_fs) else stack.enter_context(tempfile.TemporaryFile(prefix="shard-pack-verify-"))
                 try:
-                    sha256 = _sha256(shard_fs, path) if copy is None else \
+                    sha256 = _sha256(path, url) if copy is None else \
                         _download(ranged_reader(url, storage_options, retry), size, copy)
                 except ShardError as exc:  # (past the retries: the shard is not checked)
                     problems.append(f"{exc}; its samples are not checked")
@@ -113,10 +118,11 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
     return problems
 
 
-def _sha256(fs: Any, path: str) -> str:
-    """A local shard's SHA-256, read front to back in large blocks."""
+def _sha256(path: str, url: str) -> str:
+    """A local shard's SHA-256, read front to back in large blocks (a regular file only: never a
+    FIFO or a device, which would never end)."""
     digest = hashlib.sha256()
-    with fs.open(path, "rb", block_size=_READ_BLOCK) as f:
+    with os.fdopen(open_regular(path, url), "rb", buffering=0) as f:
         while block := f.read(_READ_BLOCK):
             digest.update(block)
     return digest.hexdigest()

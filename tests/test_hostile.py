@@ -4,6 +4,7 @@ effects and without memory blow-up. The corpus is generated here."""
 from __future__ import annotations
 
 import hashlib
+import http.server
 import io
 import json
 import logging
@@ -11,10 +12,14 @@ import os
 import pathlib
 import pickle
 import random
+import re
+import shutil
+import signal
 import string
 import subprocess
 import sys
 import tarfile
+import threading
 import zlib
 
 import msgpack
@@ -22,7 +27,9 @@ import pytest
 from PIL import Image
 
 from pipeline import ManifestError, ShardstreamError, make_stream_loader
+from pipeline.errors import ShardError
 from pipeline.tario import BLOCK
+from shard_tools.index import index_sa1b
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
 PWNED = pathlib.Path("/tmp/shardstream-pwned")  # what the pickle payload would create if it ran
@@ -227,3 +234,178 @@ def test_hostile_corpus_does_not_blow_up_memory(sa1b_sample, sa1b_dataset, tmp_p
     assert all(found), dict(zip(_corpus(sa1b_sample), found))
     assert peak < baseline + 200 * 1024, f"peak RSS {peak // 1024} MB vs {baseline // 1024} MB for a clean dataset"
     assert not PWNED.exists()
+
+
+# -- A dataset folder is untrusted input: names resolve inside it, only regular files are read -----------
+
+def _indexed_outside(sa1b_src: pathlib.Path, tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """(dataset folder, the archives' folder outside it): SA-1B archives indexed in place elsewhere."""
+    archives, out = tmp_path / "archives", tmp_path / "dataset"
+    shutil.copytree(sa1b_src, archives)
+    index_sa1b([str(archives)], str(out), progress=False)
+    return out, archives
+
+
+def _rename_shards(out: pathlib.Path, names: dict[str, str]) -> None:
+    """Edit the manifest's shard names (what a hostile manifest may say)."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    for split in manifest["splits"].values():
+        split["shards"]["name"] = [names.get(name, name) for name in split["shards"]["name"]]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _keys(root: str, **settings) -> list[str]:
+    loader = make_stream_loader(root, "train", batch_size=1, num_workers=0, drop_last=False, **{**SMALL, **settings})
+    return sorted(k for batch in loader for k in batch["keys"])
+
+
+def test_a_file_outside_the_folder_is_read_only_where_the_user_allows_it(sa1b_src, tmp_path):
+    """An archive indexed in place outside the dataset's folder (`shard-pack index` into another OUT)
+    is read only under `allowed_roots`; before, a manifest naming any absolute path was read."""
+    out, archives = _indexed_outside(sa1b_src, tmp_path)
+    with pytest.raises(ShardError, match=rf"{archives}/sa_000000\.tar: the manifest of {out} names a file outside its "
+                                         rf"folder; it is read only where you allow it: allowed_roots=\[\.\.\.\] "
+                                         rf"\(shard-pack: --allow-root\), e\.g\. allowed_roots=\['{archives}'\]"):
+        make_stream_loader(str(out), "train", batch_size=1, num_workers=0, **SMALL)
+    assert len(_keys(str(out), allowed_roots=[str(archives)])) == 14
+    assert len(_keys(str(out), allowed_roots=[str(tmp_path)])) == 14  # (a folder above it)
+    victim = tmp_path / "victim"  # a place the user never named, beside the one they did
+    shutil.copytree(archives, victim)
+    _rename_shards(out, {f"{archives}/sa_000000.tar": f"{victim}/sa_000000.tar"})
+    with pytest.raises(ShardError, match=f"{victim}/sa_000000.tar: the manifest of .* names a file outside its folder"):
+        _keys(str(out), allowed_roots=[str(archives)])
+    (tmp_path / "archives2").mkdir()  # (a root is a whole path component: archives2 is not under archives)
+    _rename_shards(out, {f"{victim}/sa_000000.tar": f"{tmp_path}/archives2/sa_000000.tar"})
+    with pytest.raises(ShardError, match="names a file outside its folder"):
+        _keys(str(out), allowed_roots=[str(archives)])
+    with pytest.raises(ValueError, match="allowed_roots must be a list of paths or URLs"):
+        _keys(str(out), allowed_roots=str(archives))
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    seen: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.seen.append(f"GET {self.path}")
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.seen.append(f"HEAD {self.path}")
+        self.send_response(200)
+        self.send_header("Content-Length", "1000000")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("place", ["http", "s3"])
+def test_a_url_in_a_local_dataset_is_never_asked_for(sa1b_src, tmp_path, place):
+    """Before: the loader sent a HEAD and ranged GETs to the host a manifest named (or read another
+    bucket with the user's own credentials); now nothing is sent, and the error names the option."""
+    out, archives = _indexed_outside(sa1b_src, tmp_path)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/x.tar" if place == "http" else "s3://victim/x.tar"
+        _rename_shards(out, {f"{archives}/sa_000000.tar": url})
+        with pytest.raises(ShardError, match=f"{url}: the manifest of .* names a file outside its folder; .*allowed_roots"):
+            _keys(str(out), allowed_roots=[str(archives)], storage_options={"anon": True})
+        assert _Recorder.seen == []
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_symlink_out_of_the_folder_is_followed_only_where_allowed(sa1b_dataset, tmp_path):
+    """A shard or index that is a symlink is read only if it leads inside the folder (or an allowed
+    root): before, a link to any file was read."""
+    data, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    shutil.copytree(sa1b_dataset, data)
+    elsewhere.mkdir()
+    shard = data / "train-000000.tar"
+    shutil.move(shard, elsewhere / shard.name)
+    shard.symlink_to(elsewhere / shard.name)
+    expected = _keys(sa1b_dataset)
+    with pytest.raises(ShardError, match=rf"train-000000\.tar: {shard} is a symlink to {elsewhere}/train-000000\.tar, "
+                                         r"outside the dataset's folder .*allowed_roots"):
+        _keys(str(data))
+    assert _keys(str(data), allowed_roots=[str(elsewhere)]) == expected
+    index = data / "train-000000.idx"
+    shutil.move(index, elsewhere / index.name)
+    index.symlink_to(elsewhere / index.name)
+    with pytest.raises(ShardError, match=rf"train-000000\.idx: {index} is a symlink to .*, outside the dataset's folder"):
+        _keys(str(data), allowed_roots=[str(tmp_path / "other")])
+    assert _keys(str(data), allowed_roots=[str(elsewhere)]) == expected
+    (data / "inside").mkdir()  # a link that stays inside the folder is followed
+    shutil.move(elsewhere / shard.name, data / "inside" / shard.name)
+    shard.unlink()
+    shard.symlink_to(pathlib.Path("inside", shard.name))
+    assert _keys(str(data), allowed_roots=[str(elsewhere)]) == expected
+
+
+def test_a_hub_snapshot_is_read_through_its_links_into_its_blobs(sa1b_dataset, tmp_path):
+    """huggingface_hub stores each file once in the repository's blobs/ and links it from each
+    snapshot: those links are followed (and links anywhere else are not)."""
+    repo = tmp_path / "hub" / "datasets--someone--sa1b-tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in pathlib.Path(sa1b_dataset).iterdir():
+        blob = repo / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copy(path, blob)
+        (snapshot / path.name).symlink_to(pathlib.Path("..", "..", "blobs", blob.name))
+    assert _keys(str(snapshot)) == _keys(sa1b_dataset)
+    (tmp_path / "secret.tar").write_bytes((repo / "blobs" / os.readlink(snapshot / "train-000000.tar").split("/")[-1]).read_bytes())
+    (snapshot / "train-000000.tar").unlink()
+    (snapshot / "train-000000.tar").symlink_to(tmp_path / "secret.tar")
+    with pytest.raises(ShardError, match="is a symlink to .*secret.tar, outside the dataset's folder"):
+        _keys(str(snapshot))
+
+
+_HANGS = """
+import sys
+from pipeline import make_stream_loader
+root, verify, allowed = sys.argv[1], sys.argv[2], sys.argv[3:]
+try:
+    loader = make_stream_loader(root, "train", batch_size=1, num_workers=0, verify=verify, image_size=32, mask_size=8,
+                                max_masks=2, **({"allowed_roots": allowed} if allowed else {}))
+    for batch in loader:
+        pass
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def _run(args: list[str], seconds: float = 60) -> str:
+    """A fresh process's output; a ShardError if it runs past `seconds` (killed: its whole group)."""
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        return process.communicate(timeout=seconds)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError(f"still running after {seconds} s (hung): {args}") from None
+
+
+def test_a_fifo_or_a_device_is_refused_not_read_forever(sa1b_dataset, tmp_path):
+    """Before: a FIFO as an index file hung the loader forever, and a shard linked to /dev/zero hashed
+    forever with verify='sha256'; `shard-pack verify` hung on both."""
+    fifo, zero = tmp_path / "fifo", tmp_path / "zero"
+    shutil.copytree(sa1b_dataset, fifo)
+    (fifo / "train-000000.idx").unlink()
+    os.mkfifo(fifo / "train-000000.idx")
+    shutil.copytree(sa1b_dataset, zero)
+    (zero / "train-000000.tar").unlink()
+    (zero / "train-000000.tar").symlink_to("/dev/zero")
+    out = _run([sys.executable, "-c", _HANGS, str(fifo), "size"])
+    assert f"ShardIndexError {fifo}/train-000000.idx: {fifo}/train-000000.idx is a FIFO, not a regular file" in out, out
+    out = _run([sys.executable, "-c", _HANGS, str(zero), "sha256"])
+    assert "is a symlink to /dev/zero, outside the dataset's folder" in out, out
+    out = _run([sys.executable, "-c", _HANGS, str(zero), "sha256", "/dev"])
+    assert re.search(r"train-000000\.tar: sample '\w+': /dev/zero is a character device, not a regular file", out), out
+    for root, allowed in ((fifo, []), (zero, ["--allow-root", "/dev"])):
+        out = _run([sys.executable, "-m", "shard_tools.cli", "-q", "verify", str(root), *allowed])
+        assert "not a regular file" in out and "verify: " in out, out

@@ -7,6 +7,9 @@ import json
 import os
 import pathlib
 import shutil
+import signal
+import subprocess
+import sys
 import tarfile
 import uuid
 
@@ -87,11 +90,13 @@ def test_index_streams_what_pack_streams(sa1b_src, sa1b_dataset, tmp_path, capsy
     manifest = read_manifest(str(out))
     assert (manifest.kind, manifest.origin, manifest.members) == ("sa1b", "indexed", ("jpg", "json"))
     assert {p.suffix for p in out.iterdir()} == {".json", ".idx"}, "no copy of the data"
+    allowed = [str(sa1b_src)]  # (the archives lie outside the dataset's folder)
     for split in ("train", "val"):
         assert sorted(split_keys(str(out), split)) == sorted(split_keys(sa1b_dataset, split)), "the same splits"
-        _assert_same(_by_key(str(out), split), _by_key(sa1b_dataset, split))
-        _assert_same(_by_key(str(out), split, num_workers=2, seed=9), _by_key(sa1b_dataset, split, num_workers=2, seed=9))
-    assert main(["-q", "verify", str(out)]) == 0
+        _assert_same(_by_key(str(out), split, allowed_roots=allowed), _by_key(sa1b_dataset, split))
+        _assert_same(_by_key(str(out), split, num_workers=2, seed=9, allowed_roots=allowed),
+                     _by_key(sa1b_dataset, split, num_workers=2, seed=9))
+    assert main(["-q", "verify", str(out), "--allow-root", str(sa1b_src)]) == 0
 
 
 def test_index_is_byte_identical_for_any_workers_and_repeats(sa1b_src, tmp_path):
@@ -128,8 +133,9 @@ def test_members_apart_and_json_before_jpg(sa1b_src, tmp_path):
     assert index.key_list() == [b, a, c], "samples in order of their first member"
     assert index.sample_members(0) == [("json", offsets[f"./{b}.json"], len(json_b)), ("jpg", offsets[f"{b}.jpg"], len(jpg_b))]
     assert index.sample_members(1) == [("jpg", offsets[f"{a}.jpg"], len(jpg_a)), ("json", offsets[f"{a}.json"], len(json_a))]
-    _assert_same(_by_key(str(tmp_path / "mixed")), _by_key(str(tmp_path / "plain")))
-    assert main(["-q", "verify", str(tmp_path / "mixed")]) == 0
+    allowed = [str(tmp_path)]
+    _assert_same(_by_key(str(tmp_path / "mixed"), allowed_roots=allowed), _by_key(str(tmp_path / "plain"), allowed_roots=allowed))
+    assert main(["-q", "verify", str(tmp_path / "mixed"), "--allow-root", str(tmp_path)]) == 0
 
 
 def test_webdataset_tars_indexed_as_webdataset_groups_them(tmp_path, capsys):
@@ -164,9 +170,9 @@ def test_webdataset_tars_indexed_as_webdataset_groups_them(tmp_path, capsys):
             assert index.sample_members(i) == sorted(((e, *where[f"{sample['__key__']}.{e}"]) for e in exts),
                                                      key=lambda m: m[1])
             assert all(len(sample[e]) == where[f"{sample['__key__']}.{e}"][1] for e in exts)
-    assert main(["-q", "verify", root]) == 0 and "verify: OK" in capsys.readouterr().out
+    assert main(["-q", "verify", root, "--allow-root", str(src)]) == 0 and "verify: OK" in capsys.readouterr().out
     with pytest.raises(ValueError, match="is decoded by your own function: pass decode=fn"):
-        make_stream_loader(root, "train", batch_size=2, num_workers=0)  # (decode= missing)
+        make_stream_loader(root, "train", batch_size=2, num_workers=0, allowed_roots=[str(src)])  # (decode= missing)
 
 
 def test_webdataset_keys_that_are_not_sample_keys_are_skipped_and_named(tmp_path):
@@ -253,7 +259,7 @@ def test_hostile_archives_are_refused_or_skipped_with_the_archive_named(sa1b_src
             if kind == "sa1b":
                 assert manifest.splits["train"].names == [str(good)], f"{case}: {summary.skip_list}"
                 assert summary.skipped + summary.ignored >= 1 or case == "empty", case
-                assert main(["-q", "verify", str(out)]) == 0, case
+                assert main(["-q", "verify", str(out), "--allow-root", str(sa1b_src)]) == 0, case
             archive.unlink()
 
 
@@ -287,7 +293,7 @@ def test_indexing_again_removes_only_the_earlier_runs_unlisted_indexes(sa1b_src,
     index_sa1b([str(sa1b_src / "sa_000001.tar")], str(out), progress=False)  # another dataset in the same OUT
     listed = {shard.index.name for shard in read_manifest(str(out)).splits["train"]}
     assert {p.name for p in out.glob("*.idx")} == listed | {"notes.idx"} and not listed & first
-    assert len(_by_key(str(out))) == 7
+    assert len(_by_key(str(out), allowed_roots=[str(sa1b_src)])) == 7
 
 
 def test_a_run_past_max_skipped_stops_there_and_removes_what_it_wrote(sa1b_src, tmp_path):
@@ -299,7 +305,7 @@ def test_a_run_past_max_skipped_stops_there_and_removes_what_it_wrote(sa1b_src, 
     assert not out.exists()  # a.tar's index was written, and removed
     summary = index_sa1b(archives, str(out), max_skipped=7, progress=False)
     assert (summary.samples, summary.skipped) == (14, 7)
-    assert len(_by_key(str(out))) == 14
+    assert len(_by_key(str(out), allowed_roots=[str(tmp_path)])) == 14
 
 
 @given(st.lists(st.lists(st.text(min_size=1, max_size=3), unique=True, max_size=40), max_size=12))
@@ -351,15 +357,19 @@ def test_index_archives_on_s3(server, sa1b_src, tmp_path):
     fs.put(str(sa1b_src) + "/", f"{bucket}/sa1b/", recursive=True)
     local = tmp_path / "local"
     index_sa1b([str(sa1b_src)], str(local), progress=False)
-    expected = _by_key(str(local))
-    # Archives on S3, dataset folder on local disk: the manifest names them by URL.
+    expected = _by_key(str(local), allowed_roots=[str(sa1b_src)])
+    # Archives on S3, dataset folder on local disk: the manifest names them by URL (read where allowed).
     out = tmp_path / "out"
     index_sa1b([f"s3://{bucket}/sa1b"], str(out), workers=2, progress=False, storage_options=options)
     assert read_manifest(str(out)).splits["train"].names == [f"s3://{bucket}/sa1b/sa_000000.tar",
                                                              f"s3://{bucket}/sa1b/sa_000001.tar"]
-    _assert_same(_by_key(str(out), storage_options=options), expected)
+    with pytest.raises(ShardError, match=rf"s3://{bucket}/sa1b/sa_000000\.tar: the manifest of .* names a file outside "
+                                         r"its folder; .*allowed_roots"):
+        _by_key(str(out), storage_options=options)
+    allowed = [f"s3://{bucket}/sa1b"]
+    _assert_same(_by_key(str(out), storage_options=options, allowed_roots=allowed), expected)
     with pytest.raises(ShardError, match="verify='sha256' checks shards on local disk; this one is on object storage"):
-        _by_key(str(out), storage_options=options, verify="sha256")
+        _by_key(str(out), storage_options=options, verify="sha256", allowed_roots=allowed)
     # Dataset folder on S3 beside its archives: named relative to it.
     remote = f"s3://{bucket}/sa1b"
     index_sa1b([remote], remote, progress=False, storage_options=options)
@@ -466,7 +476,79 @@ def test_members_far_apart_on_s3_by_range_and_through_the_cache(server, sa1b_src
     fs.put(str(archive), f"{bucket}/apart/apart.tar")
     remote = f"s3://{bucket}/apart"
     index_sa1b([remote], remote, progress=False, storage_options=options)
-    expected = _by_key(str(local), batch_size=1)
+    expected = _by_key(str(local), batch_size=1, allowed_roots=[str(tmp_path)])
     _assert_same(_by_key(remote, storage_options=options, batch_size=1), expected)
     _assert_same(_by_key(remote, storage_options=options, batch_size=1, cache_dir=str(tmp_path / "cache"),
                          cache_limit=1 << 30), expected)
+
+
+def test_index_says_when_its_dataset_needs_allowed_roots(sa1b_src, tmp_path, capsys):
+    """Archives outside OUT (or linked from inside it to elsewhere): the loader reads them only where
+    the user allows, and `shard-pack index` says so, with the roots to allow."""
+    assert main(["-q", "index", "sa1b", str(sa1b_src), str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert f"make_stream_loader(..., allowed_roots=['{sa1b_src}']), shard-pack verify/tune/preview --allow-root " \
+           f"{sa1b_src}" in said, said
+    assert main(["-q", "verify", str(tmp_path / "out"), "--allow-root", str(sa1b_src)]) == 0
+    inside = tmp_path / "inside"
+    shutil.copytree(sa1b_src, inside / "archives")
+    assert main(["-q", "index", "sa1b", str(inside / "archives"), str(inside)]) == 0
+    assert "allowed_roots" not in capsys.readouterr().out
+    linked = tmp_path / "linked"
+    (linked / "archives").mkdir(parents=True)
+    (linked / "archives" / "sa_000000.tar").symlink_to(sa1b_src / "sa_000000.tar")
+    assert main(["-q", "index", "sa1b", str(linked / "archives"), str(linked)]) == 0
+    assert f"allowed_roots=['{sa1b_src}']" in capsys.readouterr().out
+    assert len(_by_key(str(linked), allowed_roots=[str(sa1b_src)])) == 7
+
+
+_INDEX_ODD = """
+import json, sys
+from shard_tools.index import index_sa1b
+summary = index_sa1b([sys.argv[1]], sys.argv[2], progress=False)
+print(json.dumps([summary.samples, summary.skipped, [s["reason"] for s in summary.skip_list]]))
+"""
+
+
+def test_a_fifo_or_a_device_among_the_archives_is_skipped_and_counted(sa1b_src, tmp_path):
+    """Before: `shard-pack index` waited forever on a FIFO named .tar, and read a link to /dev/zero
+    forever (100% CPU)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(sa1b_src / "sa_000000.tar", src / "a.tar")
+    os.mkfifo(src / "b.tar")
+    (src / "c.tar").symlink_to("/dev/zero")
+    process = subprocess.Popen([sys.executable, "-c", _INDEX_ODD, str(src), str(tmp_path / "out")], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError("shard-pack index hung on a FIFO or a device") from None
+    samples, skipped, reasons = json.loads(out.splitlines()[-1])
+    assert (samples, skipped) == (7, 2), err
+    assert reasons == [f"{src}/b.tar: {src}/b.tar is a FIFO, not a regular file: a dataset's shards and index files, "
+                       "and archives to index, must be regular files",
+                       f"{src}/c.tar: {src}/c.tar (a symlink to /dev/zero) is a character device, not a regular file: "
+                       "a dataset's shards and index files, and archives to index, must be regular files"]
+
+
+def test_an_s3_dataset_naming_a_local_path_reads_neither_the_bucket_nor_the_disk(server, sa1b_src, tmp_path):
+    """`posixpath.join(root, "/abs")` drops the root: a dataset at s3://bucket/data naming /victim/x.tar
+    read bucket `victim` with the user's options, reporting a local-looking path. Refused now."""
+    options = storage_options(server.endpoint)
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    bucket, victim = f"t{uuid.uuid4().hex[:12]}", f"v{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    fs.mkdir(victim)
+    fs.put(str(sa1b_src / "sa_000000.tar"), f"{victim}/sa_000000.tar")
+    fs.put(str(sa1b_src / "sa_000000.tar"), f"{bucket}/data/sa_000000.tar")
+    remote = f"s3://{bucket}/data"
+    index_sa1b([remote], remote, progress=False, storage_options=options)
+    manifest = json.loads(fs.cat_file(f"{bucket}/data/manifest.json"))
+    manifest["splits"]["train"]["shards"]["name"] = [f"/{victim}/sa_000000.tar"]
+    fs.pipe_file(f"{bucket}/data/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(ShardError, match=rf"/{victim}/sa_000000\.tar: the manifest of {remote} names a file outside its "
+                                         "folder"):
+        _by_key(remote, storage_options=options)

@@ -8,6 +8,7 @@ import collections
 import io
 import json
 import math
+import shutil
 import tarfile
 
 import numpy as np
@@ -30,8 +31,10 @@ SPLITS = (("train", 0.7), ("val", 0.3))
 
 @pytest.fixture(scope="module")
 def originals(sa1b_src, tmp_path_factory) -> str:
+    """The archives indexed where they are, in the dataset's folder (named relative to it)."""
     out = tmp_path_factory.mktemp("originals")
-    index_sa1b([str(sa1b_src)], str(out), splits=SPLITS, progress=False)
+    shutil.copytree(sa1b_src, out / "archives")
+    index_sa1b([str(out / "archives")], str(out), splits=SPLITS, progress=False)
     return str(out)
 
 
@@ -122,7 +125,7 @@ def test_members_far_apart_are_read_by_their_own_ranges(sa1b_src, tmp_path):
                 _add(tar, f"filler{i}.bin", bytes(2 * MEMBER_GAP))
     index_sa1b([str(archive)], str(tmp_path / "apart"), progress=False)
     index_sa1b([str(sa1b_src / "sa_000000.tar")], str(tmp_path / "plain"), progress=False)
-    settings = dict(shuffle=False, drop_last=False)
+    settings = dict(shuffle=False, drop_last=False, allowed_roots=[str(tmp_path), str(sa1b_src)])  # (archives outside)
     _assert_same(_batches(_loader(str(tmp_path / "apart"), **settings)), _batches(_loader(str(tmp_path / "plain"), **settings)))
     # A sample 4 MiB wide reads its own bytes only: the limit counts what is read.
     size = max(len(data) for _, data in files) * 2 + 4096

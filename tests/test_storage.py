@@ -15,6 +15,7 @@ import pathlib
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -473,6 +474,114 @@ def test_verify_sha256_names_a_shard_changed_at_the_same_size(sa1b_dataset, tmp_
         list(make_stream_loader(str(root), "train", verify="sha256", **options))
     with pytest.raises(ValueError, match="verify must be 'size' or 'sha256'"):
         make_stream_loader(str(root), "train", verify="md5", **options)
+
+
+_FORK_WHILE_HASHING = """
+import hashlib, os, sys, threading
+import numpy as np
+from pipeline import make_stream_loader
+from pipeline.storage import Retry, ShardReader
+root, name, size, sha256 = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+parent, gate, hashing, plain = os.getpid(), threading.Event(), threading.Event(), hashlib.sha256
+
+class Held:  # the first loader's hash of the shard, held (in this process only) until the gate opens
+    def __init__(self, data=b""):
+        self.digest = plain(data)
+    def update(self, data):
+        if os.getpid() == parent and not gate.is_set():
+            hashing.set()
+            gate.wait()
+        self.digest.update(data)
+    def hexdigest(self):
+        return self.digest.hexdigest()
+
+hashlib.sha256 = Held
+reader = ShardReader(root, None, Retry(), verified=(np.zeros((1, 3), np.int64), [name]))
+threading.Thread(target=reader.read, args=(name, size, sha256, 0, 512, None)).start()
+assert hashing.wait(30)  # this process holds the lock of the shard it is hashing
+loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, verify="sha256", multiprocessing_context="fork",
+                            image_size=32, mask_size=8, max_masks=2)
+batches = iter(loader)  # (its workers forked now)
+threading.Timer(0.5, gate.set).start()
+print(sum(len(b["keys"]) for b in batches))
+"""
+
+
+def test_workers_forked_while_a_shard_is_hashed_never_wait_for_its_lock(sa1b_dataset):
+    """verify="sha256" hashes a shard under a lock, which a DataLoader's fork copied into its workers
+    (an flock belongs to the open file): once the hash was done, the workers waited forever for a
+    lock only their own copies held. The main process holds it as they fork; they finish."""
+    shard, _ = indexed(sa1b_dataset)[0]
+    process = subprocess.Popen([sys.executable, "-c", _FORK_WHILE_HASHING, sa1b_dataset, shard.name, str(shard.bytes),
+                                shard.sha256], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError("the loader's workers hung on the lock of a shard hashed as they were forked") from None
+    assert out.split() == [str(len(split_keys(sa1b_dataset)) // 2 * 2)], err
+
+
+def _changed_upstream(server: SeaweedFS, sa1b_dataset: str) -> tuple[str, str, list[str]]:
+    """The packed fixture uploaded, then one shard rewritten upstream at the same size (a byte of a
+    JPEG's header: it still decodes): (the dataset's URL, that shard's URL, its keys)."""
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    source = f"s3://{_bucket(server)}/sa1b"
+    fs.put(sa1b_dataset + "/", source + "/", recursive=True)
+    shard, index = indexed(sa1b_dataset)[1]
+    data = bytearray(pathlib.Path(sa1b_dataset, shard.name).read_bytes())
+    data[index.span(0)[0] + 512 + 15] ^= 0x01  # (the JPEG's pixel density)
+    fs.pipe_file(f"{source}/{shard.name}", bytes(data))
+    return source, f"{source}/{shard.name}", index.key_list()
+
+
+def test_a_shard_changed_upstream_is_an_error_with_the_cache_never_a_warning(server, sa1b_dataset, tmp_path):
+    """Before: the cache found the SHA-256 mismatch, logged 'caching failed' as a warning, and the
+    changed bytes were yielded from the object by range, run after run. Now the mismatch is an
+    error under the on_error policy, and no later read of the shard serves its object's bytes."""
+    source, url, keys = _changed_upstream(server, sa1b_dataset)
+    options = dict(storage_options=storage_options(server.endpoint), cache_dir=str(tmp_path / "cache"),
+                   cache_limit=1 << 30)
+    with pytest.raises(ShardError, match=rf"{url}: .*downloaded shard has SHA-256 [0-9a-f]{{64}}, the manifest says"):
+        _epoch(source, **options)  # (on_error="raise"; samples taken before the check ended are said to be used)
+    with pytest.raises(ShardError, match=rf"{url}: sample '{keys[0]}': downloaded shard has SHA-256 .* it is not read "
+                                         r"for this shard again \(remove .*\.bad once the object is restored\)"):
+        _epoch(source, **options, shuffle=False)  # (its first sample: refused at once)
+    loader = make_stream_loader(source, "train", batch_size=2, num_workers=2, seed=5, on_error="skip", drop_last=False,
+                                **options, **SMALL)  # (its workers read the record the first run left)
+    seen = [k for batch in loader for k in batch["keys"]]
+    assert not set(seen) & set(keys) and loader.skipped == len(keys)
+    assert sorted(seen) == sorted(set(split_keys(sa1b_dataset)) - set(keys))
+
+
+def test_a_shard_larger_in_the_manifest_than_its_object_evicts_nothing(remote, sa1b_dataset, server, tmp_path):
+    """Before: the cache reserved the size the manifest claims (fallocate), evicting the cached shards
+    to make room, then yielded the object's samples. Now its size is asked for first: every sample
+    of that shard is an error, and nothing is reserved or evicted."""
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    source = f"s3://{_bucket(server)}/sa1b"
+    fs.put(sa1b_dataset + "/", source + "/", recursive=True)
+    manifest = json.loads(pathlib.Path(sa1b_dataset, "manifest.json").read_text())
+    table = manifest["splits"]["train"]["shards"]
+    claimed, real = table["bytes"][1] + (64 << 20), table["bytes"][1]
+    cache, options = tmp_path / "cache", dict(storage_options=storage_options(server.endpoint))
+    _epoch(source, cache_dir=str(cache), cache_limit=claimed + real, **options)  # (every train shard cached)
+    (cache / f"{table['sha256'][1]}.tar").unlink()  # (but that one)
+    cached = sorted(p.name for p in cache.glob("*.tar"))
+    table["bytes"][1] = claimed  # (and its index says so too, as a crafted dataset's would)
+    index = indexed(sa1b_dataset)[1][1].to_bytes(claimed)
+    table["index_bytes"][1], table["index_sha256"][1] = len(index), hashlib.sha256(index).hexdigest()
+    fs.pipe_file(f"{source}/{table['index'][1]}", index)
+    fs.pipe_file(f"{source}/manifest.json", json.dumps(manifest).encode())
+    loader = make_stream_loader(source, "train", batch_size=2, num_workers=0, seed=5, on_error="skip",
+                                cache_dir=str(cache), cache_limit=claimed + real, **options, **SMALL)
+    seen = [k for batch in loader for k in batch["keys"]]
+    keys = indexed(sa1b_dataset)[1][1].key_list()
+    assert not set(seen) & set(keys) and loader.skipped == len(keys)
+    assert sorted(p.name for p in cache.glob("*.tar")) == cached, "nothing evicted"
+    assert not list(cache.glob("*.partial-*")) and sum(p.stat().st_blocks for p in cache.iterdir()) * 512 < claimed
 
 
 def test_verify_sha256_refuses_object_storage(remote, server):

@@ -43,15 +43,15 @@ def clumsy(samples: list) -> dict:
 
 @pytest.fixture(scope="module")
 def wds(tmp_path_factory) -> str:
-    """20+ samples in 4 tars written by webdataset's own ShardWriter, indexed in place (train only)."""
+    """20+ samples in 4 tars written by webdataset's own ShardWriter, indexed in place (train only), the
+    dataset's folder theirs (so its names are relative to it)."""
     src = tmp_path_factory.mktemp("wds-src")
     rng = np.random.default_rng(3)
     with webdataset.ShardWriter(str(src / "part-%03d.tar"), maxcount=6, verbose=0) as sink:
         for i in range(SAMPLES):
             sink.write({"__key__": f"s{i:04d}", "cls": i, "txt": f"caption {i}", "bin": rng.bytes(4 + i * 37)})
-    out = tmp_path_factory.mktemp("wds-indexed")
-    index_webdataset([str(src)], str(out), progress=False)
-    return str(out)
+    index_webdataset([str(src)], str(src), progress=False)
+    return str(src)
 
 
 def _keys(root: str, **settings) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
-import fcntl
 import glob
 import hashlib
 import logging
@@ -14,15 +13,17 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ShardError
+from pipeline.storage import locks
 from pipeline.storage.fs import write_bytes
 from pipeline.storage.local import sha256_file
 
-__all__ = ["CacheFull", "ShardCache"]
+__all__ = ["CacheFull", "Mismatch", "ShardCache"]
 
 log = logging.getLogger("pipeline.storage")
 
@@ -31,28 +32,28 @@ log = logging.getLogger("pipeline.storage")
 def _locked(path: str, wait: bool = True) -> Iterator[bool]:
     """An exclusive lock between processes (and threads) of this node, held while in the block (which
     is given whether it holds it: always, when it may `wait`). Its holder removes the lock file before
-    letting go; a waiter that got the lock of a removed file tries again on whatever file is there now."""
+    letting go; a waiter that got the lock of a removed file tries again on whatever file is there now.
+    A process forked while it is held does not hold it (`locks`)."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not locks.lock(fd, wait=wait):
+                os.close(fd)
+                yield False
+                return
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
                     break
-        except BlockingIOError:
-            os.close(fd)
-            yield False
-            return
         except BaseException:
-            os.close(fd)
+            locks.close(fd)
             raise
-        os.close(fd)
+        locks.close(fd)
     try:
         yield True
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        os.close(fd)  # releases the lock
+        locks.close(fd)  # releases the lock
 
 
 _ARRIVED = ".arrived"  # beside a download in progress: its piece length, piece count, and bytes arrived of each
@@ -70,11 +71,9 @@ def _covered(table: np.ndarray, start: int, end: int) -> bool:
 
 def _live(fd: int) -> bool:
     """Whether the download whose file is open at `fd` is still running (its writer holds the lock)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not locks.lock(fd, shared=True, wait=False):
         return True
-    fcntl.flock(fd, fcntl.LOCK_UN)
+    locks.unlock(fd)
     return False
 
 
@@ -150,12 +149,17 @@ class CacheFull(Exception):
     """No room in the cache for one more shard: downloads in progress hold the rest."""
 
 
+class Mismatch(ShardError):
+    """The object is not the shard the manifest describes (another size, another SHA-256): an error
+    for each of its samples, not a reason to read it another way."""
+
+
 def _reserve(path: str, size: int) -> int:
     """A new file at `path` taking `size` bytes of disk (a sparse file where the filesystem cannot
     allocate ahead), locked while open; its descriptor."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # (marks the download live: see ShardCache._room)
+        locks.lock(fd)  # (marks the download live: see ShardCache._room; let go by `locks.close`)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
@@ -163,7 +167,7 @@ def _reserve(path: str, size: int) -> int:
                 raise
             os.ftruncate(fd, size)
     except BaseException:
-        os.close(fd)
+        locks.close(fd)
         os.unlink(path)
         raise
     return fd
@@ -187,13 +191,22 @@ class ShardCache:
     the directory never exceed `limit`. Beyond it: the `.ok` stamps (~60 bytes a shard), and a
     removed shard that a reader still has open keeps its disk blocks until that reader lets go.
     A download of a killed process is removed by the next one that needs room; lock files are
-    removed by their holders."""
+    removed by their holders.
+
+    A download is trusted only once checked: the object's size is asked for before any space is
+    reserved, and a size or a SHA-256 other than the manifest's is a `Mismatch`, recorded beside
+    the shard (`<sha256>.bad`, read by `failed`) so that no process of the node reads that object
+    for the shard again (nothing is evicted for it). Remove the record once the object is restored."""
 
     def __init__(self, directory: str, limit: int) -> None:
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"cache_limit must be a positive number of bytes, got {limit!r}")
         os.makedirs(directory, exist_ok=True)
         self.directory, self.limit = directory, limit
+
+    def holds(self, sha256: str) -> bool:
+        """Whether the shard is cached (checked when it was stored; `lookup` checks it again if changed)."""
+        return os.path.exists(os.path.join(self.directory, f"{sha256}.tar"))
 
     def lookup(self, url: str, sha256: str) -> str | None:
         """The local path of the shard if it is cached and intact (else None); marks it used."""
@@ -216,17 +229,22 @@ class ShardCache:
         return None
 
     def fetch(self, url: str, size: int, sha256: str, read: Callable[[int, int], Iterator[bytes | memoryview]], *,
-              parallel: int = 4, piece: int = 16 << 20) -> str | None:
+              parallel: int = 4, piece: int = 16 << 20, actual_size: Callable[[], int] | None = None) -> str | None:
         """The local path of the shard, downloading it if needed (None if another process is downloading
         it): `read(start, end)` yields the bytes [start, end) in order. A shard over `piece` bytes downloads in up to `parallel` pieces at once.
         While it arrives, readers in any process take the bytes already there (`read_arriving`), and
-        its SHA-256 is computed as its bytes arrive."""
+        its SHA-256 is computed as its bytes arrive. `actual_size()`: the object's size, asked for before
+        any space is reserved. A `Mismatch` (recorded: see the class) if the object is not the shard."""
         path = os.path.join(self.directory, f"{sha256}.tar")
         with _locked(path + ".lock", wait=False) as mine:
             if not mine:  # (another process downloads it: readers take its bytes as they arrive)
                 return None
             if (found := self.lookup(url, sha256)) is not None:  # another process fetched it meanwhile
                 return found
+            if (failed := self.failed(sha256)) is not None:
+                raise Mismatch(url, failed)
+            if actual_size is not None and (actual := actual_size()) != size:
+                self._mismatch(url, sha256, f"the object is {actual} bytes, the manifest says {size}")
             for debris in [*glob.glob(glob.escape(path) + ".partial-*"), path + _ARRIVED]:  # (we hold the lock)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(debris)
@@ -239,20 +257,34 @@ class ShardCache:
                 fd = self._room(partial, size, url)
                 try:
                     digest = _Download(url, fd, arrived, pieces, read).run(parallel)
-                    if digest != sha256:
-                        raise ShardError(url, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
+                    if digest != sha256:  # (recorded before the download's files go: its readers then see it)
+                        self._mismatch(url, sha256, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
                     with self.locked():  # (one that makes room would miss it between its listing and its count)
                         os.replace(partial, path)  # (the reserved bytes become the shard's)
                 finally:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(partial)
-                    os.close(fd)
+                    locks.close(fd)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path + _ARRIVED)
                 os.close(arrived)
         log.debug("cached %s as %s", url, path)
         return self.lookup(url, sha256) or path
+
+    def failed(self, sha256: str) -> str | None:
+        """Why the object read for this shard is not the shard, if a download found so (`Mismatch`)."""
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(self.directory, f"{sha256}.bad")) as f:
+            return f.read()
+        return None
+
+    def _mismatch(self, url: str, sha256: str, what: str) -> NoReturn:
+        """Record that the object is not the shard, then raise the Mismatch."""
+        record = os.path.join(self.directory, f"{sha256}.bad")
+        message = (f"{what}: the object is not the shard the manifest describes; it is not read for this shard again "
+                   f"(remove {record} once the object is restored)")
+        write_bytes(LocalFileSystem(), record, message.encode())
+        raise Mismatch(url, message)
 
     def read_arriving(self, sha256: str, start: int, end: int, patience: float = 60.0) -> bytes | None:
         """Bytes [start, end) of a shard being downloaded (by any process sharing the cache), once they
@@ -311,7 +343,7 @@ class ShardCache:
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(partial)
-                os.close(fd)
+                locks.close(fd)
         return data
 
     def _remove(self, path: str) -> None:
@@ -354,13 +386,11 @@ class ShardCache:
         """The bytes a download in progress holds; a killed process's (its lock is free) is removed."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not locks.lock(fd, wait=False):
                 return os.fstat(fd).st_size
             os.unlink(path)
             log.debug("removed %s, the download of a process that ended", path)
             return 0
         finally:
-            os.close(fd)
+            locks.close(fd)
 

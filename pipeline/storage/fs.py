@@ -20,6 +20,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ShardError
+from pipeline.storage.local import read_regular
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
 
 __all__ = ["PIECE_BYTES", "filesystem", "is_local", "join", "read_range", "shard_url", "write_bytes"]
@@ -90,11 +91,13 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, e
                retry: Retry = Retry()) -> bytes:
     """Bytes [start, end) of a shard (holding sample `key`), read in pieces of `PIECE_BYTES`. A transient
     failure is retried from the piece it hit (the pieces before it are kept); a missing file, a short
-    file or a failure past the retries is a ShardError."""
+    file or a failure past the retries is a ShardError. A local file is read only if it is a regular
+    file (`local.read_regular`: never a FIFO or a device)."""
     what = f"sample {key!r}: " if key is not None else ""
+    local = is_local(fs)
 
     def piece(first: int, stop: int) -> bytes:
-        data = fs.cat_file(path, start=first, end=stop)
+        data = read_regular(path, url, first, stop) if local else fs.cat_file(path, start=first, end=stop)
         if len(data) != stop - first:
             raise Truncated(f"bytes {first}-{stop} gave {len(data)} bytes")
         return data
@@ -107,6 +110,8 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, e
             parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", functools.partial(piece, first, stop), tries))
         except FileNotFoundError as exc:
             raise ShardError(url, f"{what}shard is missing") from exc
+        except ShardError as exc:  # (not a regular file)
+            raise ShardError(url, f"{what}{exc.message}") from exc
         except Exception as exc:
             after = f" after {tries}" if transient(exc) else ""
             raise ShardError(url, f"{what}cannot read bytes {first}-{stop}{after}: {describe(exc)}") from exc

@@ -1,5 +1,9 @@
 """Local files: memory-mapped under read leases (so a shard cut in place never faults a reader),
-read by copy where no lease can be had, pages released once a sample is decoded, and hashed."""
+read by copy where no lease can be had, pages released once a sample is decoded, and hashed.
+
+Only regular files are read: a dataset's file may be a FIFO (an open or a read would wait
+forever), a device (`/dev/zero` never ends) or anything a symlink leads to, so each is checked
+(`stat`, then `fstat` of a descriptor opened without blocking) before a byte is read."""
 
 from __future__ import annotations
 
@@ -12,16 +16,84 @@ import logging
 import mmap
 import os
 import signal
+import stat
 import threading
 import weakref
 
 import numpy as np
 
+from pipeline.errors import ShardError
 from pipeline.storage.retry import describe
 
-__all__ = ["MappedFiles", "release_pages", "sha256_file"]
+__all__ = ["MappedFiles", "open_regular", "read_regular", "regular_size", "release_pages", "sha256_file"]
 
 log = logging.getLogger("pipeline.storage")
+
+
+_OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY  # (a FIFO or a device: the open does not wait)
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _refuse(path: str, url: str, mode: int) -> ShardError:
+    real = os.path.realpath(path)
+    through = f" (a symlink to {real})" if real != os.path.abspath(path) else ""
+    return ShardError(url, f"{path}{through} is {_kind(mode)}, not a regular file: a dataset's shards and index files, "
+                      "and archives to index, must be regular files")
+
+
+def regular_size(path: str, url: str) -> int:
+    """The size of the local file at `path` (following symlinks); a ShardError if it is not a regular file."""
+    if not stat.S_ISREG((found := os.stat(path)).st_mode):
+        raise _refuse(path, url, found.st_mode)
+    return found.st_size
+
+
+def open_regular(path: str, url: str, size: int | None = None) -> int:
+    """A descriptor of the local file at `path` (following symlinks), open for reading, once it is
+    checked to be a regular file (of `size` bytes, if given); else a ShardError naming it. Nothing
+    else is opened: not a device (an open may act), nor a FIFO (the descriptor is opened without
+    blocking, and checked again, should the file have changed in between)."""
+    if not stat.S_ISREG(mode := os.stat(path).st_mode):
+        raise _refuse(path, url, mode)
+    fd = os.open(path, _OPEN)
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise _refuse(path, url, found.st_mode)
+        if size is not None and found.st_size != size:
+            raise ShardError(url, f"{path} is {found.st_size} bytes, the manifest says {size}")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str, url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a local regular file (fewer at its end); a ShardError if it is not one."""
+    fd = open_regular(path, url)
+    try:
+        return _pread(fd, start, end)
+    finally:
+        os.close(fd)
+
+
+def _pread(fd: int, start: int, end: int) -> bytes:
+    parts = []
+    while start < end:
+        part = os.pread(fd, min(end - start, 1 << 30), start)
+        if not part:
+            break
+        parts.append(part)
+        start += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def sha256_file(path: str) -> str:
@@ -50,20 +122,9 @@ def _mapping_gone(lease: _Lease) -> None:
     lease.dead = True  # (a finalizer: closing the descriptor here could race with a check reusing its number)
 
 
-def _read_file(path: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of a local file, copied (fewer at its end)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        parts = []
-        while start < end:
-            part = os.pread(fd, min(end - start, 1 << 30), start)
-            if not part:
-                break
-            parts.append(part)
-            start += len(part)
-    finally:
-        os.close(fd)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+def _read_file(path: str, url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a local regular file, copied (fewer at its end)."""
+    return read_regular(path, url, start, end)
 
 
 def release_pages(data: bytes | memoryview) -> None:
@@ -102,21 +163,24 @@ class MappedFiles:
         view = self._mapped(path, url)
         if view is not None:
             return view[start:end]
-        return _read_file(path, start, end)
+        return _read_file(path, url, start, end)
 
     def _mapped(self, path: str, url: str) -> memoryview | None:
         """The file at `path` mapped read-only under a read lease, kept for later reads (the newest 64
-        files; a file replaced since, by rename, is mapped anew); None where no lease can be had."""
-        stat = os.stat(path)
-        where = (path, stat.st_ino, stat.st_size)
+        files; a file replaced since, by rename, is mapped anew); None where no lease can be had. A
+        ShardError if it is not a regular file."""
+        found = os.stat(path)
+        where = (path, found.st_ino, found.st_size)
         with self._lock:
             view = self._maps.get(where)
             if view is not None:
                 self._maps.move_to_end(where)
                 return view
-        if not stat.st_size:
+        if not stat.S_ISREG(found.st_mode):
+            raise _refuse(path, url, found.st_mode)
+        if not found.st_size:
             return memoryview(b"")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path, url)
         try:
             # A lease break signals the holder (SIGIO by default, which would end the process); SIGURG
             # is ignored unless handled. `check_leases` asks about the lease instead.
@@ -130,17 +194,17 @@ class MappedFiles:
                     "memory-mapped (slower for embeddings)", self.root, path, describe(exc))
             return None
         try:
-            stat = os.fstat(fd)  # (the file leased: what `path` named when stat'ed above, or its replacement)
+            leased = os.fstat(fd)  # (the file leased: what `path` named when stat'ed above, or its replacement)
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         except BaseException:
             os.close(fd)
             raise
-        lease = _Lease(url, path, fd, stat.st_ino, stat.st_size)
+        lease = _Lease(url, path, fd, leased.st_ino, leased.st_size)
         weakref.finalize(mapping, _mapping_gone, lease)
         view = memoryview(mapping)
         with self._lock:
             self._leases[fd] = lease
-            self._maps[(path, stat.st_ino, stat.st_size)] = view
+            self._maps[(path, leased.st_ino, leased.st_size)] = view
             while len(self._maps) > 64:
                 self._maps.popitem(last=False)  # (unmapped once the samples read from it are dropped)
         return view

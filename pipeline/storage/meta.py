@@ -15,6 +15,7 @@ from pipeline.errors import ManifestError, ShardError, ShardIndexError
 from pipeline.format import MANIFEST_NAME, MAX_INDEX_BYTES, Manifest, ShardIndex, ShardInfo
 from pipeline.storage.cache import ShardCache
 from pipeline.storage.fs import filesystem, is_local, join, read_range
+from pipeline.storage.places import Places
 from pipeline.storage.retry import Retry, describe, with_retries
 
 __all__ = ["MAX_MANIFEST_BYTES", "read_index", "read_manifest", "shard_indexes"]
@@ -27,11 +28,16 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
                   cache: ShardCache | None = None) -> Manifest:
     """The dataset's manifest. With a `cache`, a remote manifest is kept on local disk, named by
     its URL, size and ETag (one HEAD request tells whether the copy is current), so the ranks of a
-    node download it once."""
+    node download it once. A local manifest is read only if it is a regular file inside the folder
+    (`places.Places.real`: a hub snapshot's link into its blobs too)."""
     url = join(root, MANIFEST_NAME)
     try:
         fs, path = filesystem(url, storage_options)
+        if is_local(fs):
+            path = Places(root).real(path, url)
         info = with_retries(retry, url, lambda: fs.info(path))
+        if is_local(fs) and info.get("type") != "file":
+            raise ManifestError(url, f"{path} is not a regular file")
         size = info["size"]
         if size > MAX_MANIFEST_BYTES:  # (outside the handlers below, which would wrap it again)
             raise ManifestError(url, f"larger than {MAX_MANIFEST_BYTES} bytes: not a manifest this reader accepts")
@@ -45,6 +51,8 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
     except ManifestError:
         raise
     except (FileNotFoundError, ShardError) as exc:
+        if isinstance(exc, ShardError) and exc.__cause__ is None:  # (outside the folder, or not a regular file)
+            raise ManifestError(url, exc.message) from exc
         if isinstance(exc, FileNotFoundError) or isinstance(exc.__cause__, FileNotFoundError):
             raise ManifestError(url, "no manifest: is this a folder written by `shard-pack`? (or the bucket does "
                                 "not exist)") from exc
@@ -69,17 +77,21 @@ def shard_indexes(root: str, manifest: Manifest, split: str, storage_options: di
 
 
 def read_index(fs: fsspec.AbstractFileSystem, base: str, root: str, shard: ShardInfo, retry: Retry = Retry(),
-               cache: ShardCache | None = None) -> ShardIndex:
+               cache: ShardCache | None = None, places: Places | None = None) -> ShardIndex:
     """A shard's index, read whole (one small request) and checked against the manifest: size cap,
-    SHA-256, counts, bounds. A missing or bad index is a ShardIndexError naming its file."""
+    SHA-256, counts, bounds. A missing or bad index is a ShardIndexError naming its file. Index
+    names are flat names in the folder; on local disk, a link is followed only as `places` allows."""
     if shard.index is None:
         assert shard.inline is not None
         return shard.inline
     info, url = shard.index, join(root, shard.index.name)
     if info.bytes > MAX_INDEX_BYTES:
         raise ShardIndexError(url, f"the manifest says {info.bytes} bytes, more than {MAX_INDEX_BYTES}")
-    fetch = functools.partial(read_range, fs, join(base, info.name), url, 0, info.bytes, None, retry)
     try:
+        path = join(base, info.name)
+        if is_local(fs):
+            path = (places or Places(root)).real(path, url)
+        fetch = functools.partial(read_range, fs, path, url, 0, info.bytes, None, retry)
         data = cache.small(f"{info.sha256}.idx", info.sha256, fetch) if cache is not None else fetch()
     except ShardError as exc:
         missing = isinstance(exc.__cause__, FileNotFoundError)

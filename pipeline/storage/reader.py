@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -17,10 +16,12 @@ import fsspec
 
 from pipeline.errors import ShardError
 from pipeline.format import ShardIndex, ShardInfo
-from pipeline.storage.cache import CacheFull, ShardCache
-from pipeline.storage.fs import filesystem, is_local, join, shard_url
-from pipeline.storage.local import MappedFiles
+from pipeline.storage import locks
+from pipeline.storage.cache import CacheFull, Mismatch, ShardCache
+from pipeline.storage.fs import filesystem, is_local, join
+from pipeline.storage.local import MappedFiles, open_regular, regular_size
 from pipeline.storage.meta import read_index
+from pipeline.storage.places import Places
 from pipeline.storage.ranged import Ranged, client_for, ranged_reader
 from pipeline.storage.retry import Retry, describe
 
@@ -38,15 +39,21 @@ class ShardReader:
     they arrive (in any process): no sample waits for a whole shard, and a shard's bytes cross the
     network once per node. Build it in the process that reads (a DataLoader worker).
 
-    Local shards (in place or cached) are memory-mapped under read leases (`local.MappedFiles`)."""
+    Local shards (in place or cached) are memory-mapped under read leases (`local.MappedFiles`).
+
+    Names resolve inside the dataset's folder, or under `allowed_roots` (`places.Places`); with a
+    cache, a shard whose download found another object than the manifest's (`cache.Mismatch`) is
+    an error for each sample asked for afterwards, in every process sharing the cache."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None, retry: Retry,
                  cache: ShardCache | None = None, verified: tuple[Any, Sequence[str]] | None = None,
-                 index_bytes: int = 64 << 20) -> None:
+                 index_bytes: int = 64 << 20, allowed_roots: Sequence[str] = ()) -> None:
         """`verified`: to check local shards' SHA-256, a table of one row per shard (an int64 array
         of shape (shards, 3), shared between the processes reading) and the shards' names.
-        `index_bytes`: shard indexes kept (least recently used dropped past it)."""
+        `index_bytes`: shard indexes kept (least recently used dropped past it). `allowed_roots`:
+        places outside the folder that its manifest may name (the user's choice)."""
         self.root, self.retry = root, retry
+        self.places = Places(root, tuple(allowed_roots))
         self.fs, self.base = filesystem(root, storage_options)
         self.cache = None if is_local(self.fs) else cache  # local shards are read in place
         self._indexes: collections.OrderedDict[str, ShardIndex] = collections.OrderedDict()
@@ -61,17 +68,24 @@ class ShardReader:
         self._storage_options = storage_options
         self._places: dict[str, tuple[fsspec.AbstractFileSystem, str, str, Ranged]] = {}
         self._client: tuple[Any, str] | None = None  # (ranged client, path) of the dataset's folder
+        self._mismatched: dict[str, str] = {}  # shard name -> why its object is not the shard (this process's downloads)
 
     def _place(self, name: str) -> tuple[fsspec.AbstractFileSystem, str, str, Ranged]:
         """(filesystem, path, URL, ranged reader: its scheme's client, `ranged.CLIENTS`) of a shard: in the
-        dataset's folder, or where its absolute name says (an archive indexed in place: another bucket,
-        or object storage under a local dataset)."""
+        dataset's folder (on its filesystem), or where its absolute name says, inside an allowed root
+        (an archive indexed in place: another bucket, or object storage under a local dataset); a
+        local file by its real path, checked (`Places.real`). A ShardError for a name outside them."""
         found = self._places.get(name)
         if found is None:
-            url = shard_url(self.root, name)
+            url = self.places.url(name)
             fs, path = (self.fs, join(self.base, name)) if url == join(self.root, name) else \
                 filesystem(url, self._storage_options)
-            found = self._places.setdefault(name, (fs, path, url, ranged_reader(url, self._storage_options, self.retry)))
+            if is_local(fs):
+                path = self.places.real(path, url)
+                ranged = Ranged(fs, path, url, self.retry)
+            else:
+                ranged = ranged_reader(url, self._storage_options, self.retry)
+            found = self._places.setdefault(name, (fs, path, url, ranged))
         return found
 
     def holds_index(self, name: str) -> bool:
@@ -87,7 +101,7 @@ class ShardReader:
                 return found
         if self._client is None:  # (index files through the scheme's lean client, as shards are)
             self._client = client_for(self.root, self._storage_options)
-        index = read_index(*self._client, self.root, shard, self.retry, self.cache)  # type: ignore[arg-type]
+        index = read_index(*self._client, self.root, shard, self.retry, self.cache, self.places)  # type: ignore[arg-type]
         if shard.index is not None:
             with self._lock:
                 if shard.name not in self._indexes:
@@ -98,19 +112,29 @@ class ShardReader:
         return index
 
     def size(self, name: str, key: str) -> int:
-        """The shard's size in bytes (when reading sample `key`, for messages)."""
-        return self._place(name)[3].size(key)
+        """The shard's size in bytes (when reading sample `key`, for messages); a local one is a regular file's."""
+        fs, path, url, ranged = self._place(name)
+        if not is_local(fs):
+            return ranged.size(key)
+        try:
+            return regular_size(path, url)
+        except FileNotFoundError as exc:
+            raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+        except ShardError as exc:
+            raise ShardError(url, f"sample {key!r}: {exc.message}") from exc
 
     def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str | None,
              download: bool = True) -> bytes | memoryview:
         """Bytes [start, end) of a shard: a view of the file mapped in memory when it is on local disk
         (in place or in the cache: no copy); with a cache, from its download while it arrives (started
         here if no process of the node runs it; not to `download`: only bytes already there, and the
-        download waits for `start_downloads`); else read by range."""
+        download waits for `start_downloads`); else read by range. With a cache, a shard whose object a
+        download found to be another (`cache.Mismatch`) is a ShardError from then on."""
         fs, path, url, ranged = self._place(name)
         if self.cache is not None:
             data = self._cached(url, sha256, start, end)
             if data is None:
+                self._refuse_mismatched(name, url, sha256, key)
                 if download:
                     self._download(name, size, sha256)
                 else:
@@ -120,10 +144,11 @@ class ShardReader:
                 data = self._cached(url, sha256, start, end)  # (finished meanwhile)
             if data is not None:
                 return data
+            self._refuse_mismatched(name, url, sha256, key)  # (its download may have failed meanwhile)
         elif is_local(fs):
             try:
                 if self._verified is not None:
-                    self._verify(name, path, url, sha256)
+                    self._verify(name, path, url, sha256, size)
                 data = self.mapped.read(path, url, start, end)
             except FileNotFoundError as exc:
                 raise ShardError(url, f"sample {key!r}: shard is missing") from exc
@@ -152,10 +177,18 @@ class ShardReader:
                     return data
         return None
 
-    def _verify(self, name: str, path: str, url: str, sha256: str) -> None:
+    def _refuse_mismatched(self, name: str, url: str, sha256: str, key: str | None) -> None:
+        """A ShardError if a download found the shard's object to be another than the manifest's."""
+        assert self.cache is not None
+        found = self._mismatched.get(name) or self.cache.failed(sha256)
+        if found is not None:
+            raise ShardError(url, f"sample {key!r}: {found}" if key is not None else found)
+
+    def _verify(self, name: str, path: str, url: str, sha256: str, size: int) -> None:
         """Check a local shard's SHA-256 against the manifest's, unless the shared table says the file
         as it is now (inode, size, mtime) was checked: by one process at a time (a lock on the shard,
-        so that the others wait for its answer instead of hashing it again)."""
+        so that the others wait for its answer instead of hashing it again; never held by a process
+        forked meanwhile: `locks`). Only a regular file of the manifest's size is read, and no further."""
         table, names = self._verified  # type: ignore[misc]
         if self._index is None:
             self._index = {n: i for i, n in enumerate(names)}
@@ -167,23 +200,24 @@ class ShardReader:
 
         if checked():
             return
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path, url, size)
         try:
             with contextlib.suppress(OSError):  # (no lock where the filesystem has none: hash it here too)
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                locks.lock(fd)
             if checked():
                 return
             stat = os.fstat(fd)
-            digest = hashlib.sha256()
-            while block := os.read(fd, 1 << 22):
+            digest, left = hashlib.sha256(), size
+            while left and (block := os.read(fd, min(left, 1 << 22))):
                 digest.update(block)
+                left -= len(block)
             if digest.hexdigest() != sha256:
                 raise ShardError(url, f"content has SHA-256 {digest.hexdigest()}, the manifest says {sha256}: the "
                                  "shard was changed since it was packed, or the manifest was edited (verify='sha256')")
             row[:] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
             log.debug("%s: SHA-256 checked", url)
         finally:
-            os.close(fd)  # (and the lock)
+            locks.close(fd)  # (and the lock)
 
     def start_downloads(self) -> None:
         """Start the downloads of the shards read while not to `download` (the first batch's)."""
@@ -205,15 +239,27 @@ class ShardReader:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="shardstream-cache")
 
-            self._downloads[name] = self._pool.submit(cache.fetch, url, size, sha256, ranged.stream)
+            future = self._pool.submit(cache.fetch, url, size, sha256, ranged.stream, actual_size=ranged.size)
+            future.add_done_callback(lambda done: self._settled(name, done))
+            self._downloads[name] = future
 
-    def settle(self) -> None:
-        """Wait for the background downloads (the end of an epoch); a failed one is logged, not raised:
-        its samples were read by byte range."""
+    def _settled(self, name: str, future: concurrent.futures.Future[str | None]) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if isinstance(exc, Mismatch):
+            self._mismatched[name] = exc.message
+
+    def settle(self) -> list[Mismatch]:
+        """Wait for the background downloads (the end of an epoch). One that failed to download is
+        logged, not raised (its samples were read by byte range); those that found another object than
+        the shard are returned: samples taken before that was known were not checked against it."""
         with self._lock:
             downloads, self._downloads = list(self._downloads.items()), {}
+        mismatched = []
         for name, future in downloads:
             exc = future.exception()
-            if exc is not None:
+            if isinstance(exc, Mismatch):
+                mismatched.append(exc)
+            elif exc is not None:
                 log.log(logging.INFO if isinstance(exc, CacheFull) else logging.WARNING, "%s: caching failed: %s",
-                        shard_url(self.root, name), exc)
+                        self.places.url(name), exc)
+        return mismatched
