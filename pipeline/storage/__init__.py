@@ -3,7 +3,9 @@
 - `retry`: the one retry policy (transient failures backed off with jitter; others fail at once);
 - `fs`: filesystems by URL (fsspec), the generic ranged read and the atomic small write;
 - `meta`: a dataset's manifest and shard index files, read whole and checked;
-- `local`: local shards memory-mapped under read leases, pages released after use, hashing;
+- `places`: where a dataset's names may lead (inside its folder, or under `allowed_roots`);
+- `local`: local shards memory-mapped under read leases, pages released after use, hashing (regular files only);
+- `locks`: file locks between processes, never kept by a forked child;
 - `cache`: the node's shard cache (whole shards on local disk, shared by its processes);
 - `reader`: `ShardReader`, which picks among them for each shard.
 
