@@ -19,7 +19,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ShardError
-from pipeline.storage import locks
+import pipeline.storage.locks as locks
 from pipeline.storage.fs import write_bytes
 from pipeline.storage.local import sha256_file
 

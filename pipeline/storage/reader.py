@@ -16,7 +16,7 @@ import fsspec
 
 from pipeline.errors import ShardError
 from pipeline.format import ShardIndex, ShardInfo
-from pipeline.storage import locks
+import pipeline.storage.locks as locks
 from pipeline.storage.cache import CacheFull, Mismatch, ShardCache
 from pipeline.storage.fs import filesystem, is_local, join
 from pipeline.storage.local import MappedFiles, open_regular, regular_size
