@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pipeline.errors import ShardError
 import pipeline.storage.locks as locks
 from pipeline.storage.fs import write_bytes
-from pipeline.storage.local import sha256_file
+from pipeline.storage.local import pread, sha256_file
 
 __all__ = ["CacheFull", "Mismatch", "ShardCache"]
 
@@ -77,17 +77,6 @@ def _live(fd: int) -> bool:
     return False
 
 
-def _pread(fd: int, start: int, end: int) -> bytes:
-    parts = []
-    while start < end:
-        part = os.pread(fd, min(end - start, 1 << 30), start)
-        if not part:
-            break
-        parts.append(part)
-        start += len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 class _Download:
     """One shard's bytes written into its reserved file `fd` in pieces, several at once, each piece's
     progress published in the `.arrived` table after its bytes are written; `run` computes the
@@ -114,7 +103,7 @@ class _Download:
                             if self.error is not None:
                                 raise self.error
                             ready = first + self.done[number]
-                        digest.update(_pread(self.fd, at, ready))
+                        digest.update(pread(self.fd, at, ready))
                         at = ready
             except BaseException as exc:
                 with self.changed:
@@ -304,7 +293,7 @@ class ShardCache:
                 except FileNotFoundError:  # (finished, or failed: the caller looks it up)
                     return None
                 if len(table) >= 2 and len(table) == 2 + table[1] and _covered(table, start, end):
-                    data = _pread(fd, start, end)
+                    data = pread(fd, start, end)
                     return data if len(data) == end - start else None
                 if not _live(fd) or time.monotonic() > deadline:
                     return None

@@ -25,7 +25,7 @@ import numpy as np
 from pipeline.errors import ShardError
 from pipeline.storage.retry import describe
 
-__all__ = ["MappedFiles", "open_regular", "read_regular", "regular_size", "release_pages", "sha256_file"]
+__all__ = ["MappedFiles", "open_regular", "pread", "read_regular", "regular_size", "release_pages", "sha256_file"]
 
 log = logging.getLogger("pipeline.storage")
 
@@ -80,12 +80,13 @@ def read_regular(path: str, url: str, start: int, end: int) -> bytes:
     """Bytes [start, end) of a local regular file (fewer at its end); a ShardError if it is not one."""
     fd = open_regular(path, url)
     try:
-        return _pread(fd, start, end)
+        return pread(fd, start, end)
     finally:
         os.close(fd)
 
 
-def _pread(fd: int, start: int, end: int) -> bytes:
+def pread(fd: int, start: int, end: int) -> bytes:
+    """Bytes [start, end) of an open file (fewer at its end), in reads of at most 1 GiB."""
     parts = []
     while start < end:
         part = os.pread(fd, min(end - start, 1 << 30), start)
