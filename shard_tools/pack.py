@@ -500,19 +500,17 @@ def pool_tick(n: int) -> None:
 def worker_pool(workers: int, calls: Sequence[tuple[Any, ...]]) -> Iterator[tuple[list[concurrent.futures.Future[Any]], Any]]:
     """Each call `(function, *args)` submitted to a pool of `workers` spawned processes: (the futures,
     the shared count that `pool_tick` adds to). On leaving, running calls stop at their next tick,
-    queued ones are cancelled, and the workers are waited for. The workers start with Ctrl-C blocked
-    and then ignore it, so that only this process handles it, even while they start."""
+    queued ones are cancelled, and the workers are waited for. The workers ignore Ctrl-C from their
+    start (`_ctrl_c_ignored`), so that only this process handles it."""
     context = multiprocessing.get_context("spawn")  # safe with threads (progress bar) and any library
     done, stop, pool = context.Value("q", 0), context.Event(), None
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                                      initargs=(os.getpid(), done, stop))
-        futures = [pool.submit(*call) for call in calls]  # (the workers start as the first calls are submitted)
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # (a Ctrl-C meanwhile is raised here)
+        with _ctrl_c_ignored():
+            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                                          initargs=(os.getpid(), done, stop))
+            futures = [pool.submit(*call) for call in calls]  # (the workers start as the first calls are submitted)
         yield futures, done
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         stop.set()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -597,6 +595,42 @@ def _running(dask_worker: Any) -> int:
     return int(dask_worker.state.executing_count)
 
 
+@contextlib.contextmanager
+def _ctrl_c_ignored() -> Iterator[None]:
+    """Ctrl-C ignored while inside (when called in the main thread), so that the processes spawned
+    meanwhile ignore it from their first instruction: an ignored signal stays ignored across exec,
+    while a blocked one is unblocked and a handled one is reset by spawn (a worker that started to
+    import torch would die of it). A terminal sends Ctrl-C to every process of its group; the worker
+    processes leave it to this one. One pressed while inside is lost (blocking it here would not keep
+    it: a thread that does not block it, such as a native one, takes it): keep the inside short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _ctrl_c_noted() -> Iterator[threading.Event]:
+    """While inside: Ctrl-C sets the event instead of raising KeyboardInterrupt (in the main thread;
+    elsewhere signals do not arrive). On leaving, the old handler is back, and a Ctrl-C noted but not
+    acted on is raised (unless an exception is already on its way)."""
+    pressed = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield pressed
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.set())
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed.is_set():
+        raise KeyboardInterrupt
+
+
 def dask_tasks(address: str, calls: Sequence[tuple[Any, ...]], names: Sequence[str], *,
                retries: int = 2) -> Iterator[tuple[int, Any]]:
     """Each call `(function, *args)` run as one task on the Dask cluster at `address` (`tcp://host:8786`,
@@ -610,7 +644,8 @@ def dask_tasks(address: str, calls: Sequence[tuple[Any, ...]], names: Sequence[s
     here as it is, as the local pool raises it. On leaving early (Ctrl-C, an error, the caller closing
     the generator), the queued tasks are cancelled and the running ones stop at their next tick
     (within a second). The local cluster's workers ignore Ctrl-C (`shard_tools.dask_worker`): this
-    process handles it, as with `worker_pool`."""
+    process handles it, as with `worker_pool`, and only between distributed's calls: a KeyboardInterrupt
+    raised inside one of them makes distributed log a traceback of its own (`utils.sync`'s cancel)."""
     try:
         from distributed import Client, Event, LocalCluster, as_completed
     except ImportError as exc:
@@ -619,26 +654,35 @@ def dask_tasks(address: str, calls: Sequence[tuple[Any, ...]], names: Sequence[s
     tick = _DaskStop(f"{run}-stop")
     futures: dict[Any, int] = {}
     with contextlib.ExitStack() as stack:
+        pressed = stack.enter_context(_ctrl_c_noted())
         if address.startswith("local:"):
-            cluster = stack.enter_context(LocalCluster(
-                n_workers=int(address.removeprefix("local:")), threads_per_worker=1, processes=True,
-                dashboard_address=None, preload=["shard_tools.dask_worker"]))
-            client = stack.enter_context(Client(cluster))
+            with _ctrl_c_ignored():  # (until its workers have started: they import torch before the preload)
+                cluster = stack.enter_context(LocalCluster(
+                    n_workers=int(address.removeprefix("local:")), threads_per_worker=1, processes=True,
+                    dashboard_address=None, preload=["shard_tools.dask_worker"]))
+                client = stack.enter_context(Client(cluster))
         else:
             client = stack.enter_context(Client(address))
         try:
             for position, (function, *args) in enumerate(calls):
                 futures[client.submit(_dask_call, function, *args, tick, key=f"{run}-{position}", retries=retries,
                                       pure=False)] = position
-            for future in as_completed(futures):
-                position = futures[future]
-                try:
-                    result = future.result()
-                except Exception as exc:
-                    raise PackError(f"{names[position]} failed on the Dask cluster after retries: {exc!r}") from exc
-                if isinstance(result, _Refused):
-                    raise result.error
-                yield position, result
+            finished = as_completed(futures)
+            while not finished.is_empty():
+                if pressed.is_set():
+                    raise KeyboardInterrupt
+                ready = finished.next_batch(block=False)
+                if not ready:
+                    time.sleep(0.05)
+                for future in ready:
+                    position = futures[future]
+                    try:
+                        result = future.result()
+                    except Exception as exc:
+                        raise PackError(f"{names[position]} failed on the Dask cluster after retries: {exc!r}") from exc
+                    if isinstance(result, _Refused):
+                        raise result.error
+                    yield position, result
         finally:
             if any(not future.done() for future in futures):
                 client.cancel(list(futures))

@@ -258,3 +258,35 @@ def test_ctrl_c_during_an_index_run_prints_one_line_exits_130_and_leaves_nothing
                                             r"this run are removed: run the same command to start again", lines[0])
     assert [line for line in run.stderr.splitlines() if not line.startswith("indexed ")] == lines, "nothing else"
     assert not out.exists()
+
+
+def test_ctrl_c_inside_distributed_calls_is_noted_and_raised_between_them():
+    """dask_tasks takes Ctrl-C between distributed's calls: one raised inside `distributed.utils.sync`
+    made it log a NameError traceback of its own (seen in CI, 1 run in ~10)."""
+    from shard_tools.pack import _ctrl_c_noted
+
+    with pytest.raises(KeyboardInterrupt), _ctrl_c_noted() as pressed:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # (a handler that raised would raise here)
+        assert pressed.is_set()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_processes_spawned_while_ctrl_c_is_ignored_ignore_it_from_their_start():
+    """A worker (pool or local Dask cluster) spends its first second importing torch: a Ctrl-C then
+    killed it ("Nanny failed to start") unless it was born ignoring it."""
+    from shard_tools.pack import _ctrl_c_ignored
+
+    def sigint_ignored(child: subprocess.Popen) -> bool:
+        status = pathlib.Path(f"/proc/{child.pid}/status").read_text()
+        return bool(int(re.search(r"SigIgn:\s*([0-9a-f]+)", status).group(1), 16) & (1 << (signal.SIGINT - 1)))
+
+    with _ctrl_c_ignored():
+        inside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.5)
+        assert sigint_ignored(inside) and not sigint_ignored(outside)
+    finally:
+        inside.kill(), outside.kill()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
