@@ -186,13 +186,14 @@ class SampleReads:
     def _check(self, where: Where) -> int:
         """The sample's shard, its size checked the first time in this iteration: a shard replaced or cut
         since packing is named before any of its samples is used (a shard the cache holds was checked
-        whole: its SHA-256)."""
+        whole: its SHA-256; a client whose answers say the size checks it on each read)."""
         number, sample = where
         shard, _ = self.sources[number].where(sample)
         if (number, shard) not in self.sized:
-            cache = self.readers[number].cache
-            self.sized[(number, shard)] = _CHECKED if cache is not None and \
-                cache.holds(self.sources[number].split.sha256[shard]) else self.pool.submit(self._check_size, number, sample)
+            reader, split = self.readers[number], self.sources[number].split
+            checked = reader.reads_check_size(split.names[shard]) or \
+                (reader.cache is not None and reader.cache.holds(split.sha256[shard]))
+            self.sized[(number, shard)] = _CHECKED if checked else self.pool.submit(self._check_size, number, sample)
         return shard
 
     def _submit(self, where: Where) -> None:

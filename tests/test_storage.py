@@ -584,6 +584,35 @@ def test_a_shard_larger_in_the_manifest_than_its_object_evicts_nothing(remote, s
     assert not list(cache.glob("*.partial-*")) and sum(p.stat().st_blocks for p in cache.iterdir()) * 512 < claimed
 
 
+@pytest.mark.parametrize("change", ["longer", "shorter"])
+@pytest.mark.parametrize("read_ahead_bytes", [0, 256 << 20], ids=["by sample", "in spans"])
+def test_a_shard_resized_upstream_is_named_by_the_answers_without_asking_its_size(
+        server, sa1b_dataset, proxy, change, read_ahead_bytes):
+    """Every ranged answer of the lean client says the object's size: each read checks it against the
+    manifest's, so that no HEAD is sent (one per shard and process before), and a resized shard is
+    still named before any of its samples is used; cut short, its last sample's range runs past the
+    end (416, or fewer bytes), and that too is said as the two sizes."""
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    source = f"s3://{_bucket(server)}/sa1b"
+    fs.put(sa1b_dataset + "/", source + "/", recursive=True)
+    shard, index = indexed(sa1b_dataset)[1]
+    data = pathlib.Path(sa1b_dataset, shard.name).read_bytes()
+    changed = data + bytes(1024) if change == "longer" else data[: index.span(len(index.key_list()) - 1)[0] + 600]
+    fs.pipe_file(f"{source}/{shard.name}", changed)
+    options = dict(storage_options=storage_options(proxy.endpoint), read_ahead_bytes=read_ahead_bytes)
+    with pytest.raises(ShardError, match=rf"{source}/{shard.name}: sample '[^']+': shard is {len(changed)} bytes, "
+                                         rf"the manifest says {len(data)}"):
+        _epoch(source, **options, shuffle=False)
+    proxy.clear()
+    loader = make_stream_loader(source, "train", batch_size=2, num_workers=0, seed=5, on_error="skip",
+                                drop_last=False, **options, **SMALL)
+    seen = [k for batch in loader for k in batch["keys"]]
+    assert sorted(seen) == sorted(set(split_keys(sa1b_dataset)) - set(index.key_list()))
+    assert loader.skipped == len(index.key_list())
+    heads = [r.target for r in proxy.requests if r.method == "HEAD" and ".tar" in r.target]
+    assert not heads, heads
+
+
 def test_verify_sha256_refuses_object_storage(remote, server):
     with pytest.raises(ValueError, match=r"verify='sha256' checks shards on local disk; s3://"):
         make_stream_loader(remote, "train", batch_size=2, num_workers=0, storage_options=storage_options(server.endpoint),

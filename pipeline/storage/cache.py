@@ -7,6 +7,7 @@ import contextlib
 import errno
 import glob
 import hashlib
+import itertools
 import logging
 import os
 import threading
@@ -83,8 +84,10 @@ class _Download:
     SHA-256 in order as the bytes arrive, and returns it."""
 
     def __init__(self, url: str, fd: int, arrived: int, pieces: list[tuple[int, int]],
-                 read: Callable[[int, int], Iterator[bytes]]) -> None:
+                 read: Callable[[int, int], Iterator[bytes]], first: Iterator[bytes]) -> None:
+        """`first`: the first piece's bytes, its request made already (`read` makes the others')."""
         self.url, self.fd, self.arrived, self.pieces, self.read = url, fd, arrived, pieces, read
+        self.first = first
         self.done = [0] * len(pieces)  # bytes arrived of each piece
         self.error: BaseException | None = None  # the first piece's failure: the others stop
         self.changed = threading.Condition()
@@ -115,7 +118,7 @@ class _Download:
         first, last = self.pieces[number]
         at = first
         try:
-            for chunk in self.read(first, last):
+            for chunk in self.first if number == 0 else self.read(first, last):
                 if self.error is not None:
                     return
                 if at + len(chunk) > last:
@@ -222,8 +225,9 @@ class ShardCache:
         """The local path of the shard, downloading it if needed (None if another process is downloading
         it): `read(start, end)` yields the bytes [start, end) in order. A shard over `piece` bytes downloads in up to `parallel` pieces at once.
         While it arrives, readers in any process take the bytes already there (`read_arriving`), and
-        its SHA-256 is computed as its bytes arrive. `actual_size()`: the object's size, asked for before
-        any space is reserved. A `Mismatch` (recorded: see the class) if the object is not the shard."""
+        its SHA-256 is computed as its bytes arrive. `actual_size()`: the object's size, asked for once the
+        first request is answered (an answer may say it: `Ranged.known_size`) and before any space is
+        reserved. A `Mismatch` (recorded: see the class) if the object is not the shard."""
         path = os.path.join(self.directory, f"{sha256}.tar")
         with _locked(path + ".lock", wait=False) as mine:
             if not mine:  # (another process downloads it: readers take its bytes as they arrive)
@@ -232,20 +236,27 @@ class ShardCache:
                 return found
             if (failed := self.failed(sha256)) is not None:
                 raise Mismatch(url, failed)
+            length = max(piece, -(-size // parallel))
+            pieces = [(first, min(first + length, size)) for first in range(0, size, length)]
+            started, arriving, failed = read(*pieces[0]) if pieces else iter(()), [], None
+            try:
+                arriving = list(itertools.islice(started, 1))  # (the first request: its answer may say the size)
+            except ShardError as exc:  # (a range past a shortened object's end: the size says why)
+                failed = exc
             if actual_size is not None and (actual := actual_size()) != size:
                 self._mismatch(url, sha256, f"the object is {actual} bytes, the manifest says {size}")
+            if failed is not None:
+                raise failed
             for debris in [*glob.glob(glob.escape(path) + ".partial-*"), path + _ARRIVED]:  # (we hold the lock)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(debris)
-            length = max(piece, -(-size // parallel))
-            pieces = [(first, min(first + length, size)) for first in range(0, size, length)]
             arrived = os.open(path + _ARRIVED, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             partial = f"{path}.partial-{_STREAMED}"
             try:
                 os.pwrite(arrived, np.array([length, len(pieces), *[0] * len(pieces)], np.int64).tobytes(), 0)
                 fd = self._room(partial, size, url)
                 try:
-                    digest = _Download(url, fd, arrived, pieces, read).run(parallel)
+                    digest = _Download(url, fd, arrived, pieces, read, itertools.chain(arriving, started)).run(parallel)
                     if digest != sha256:  # (recorded before the download's files go: its readers then see it)
                         self._mismatch(url, sha256, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
                     with self.locked():  # (one that makes room would miss it between its listing and its count)

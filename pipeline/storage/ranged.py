@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from pipeline.errors import ShardError
 from pipeline.storage.s3 import client as s3_client
 from pipeline.storage.fs import PIECE_BYTES, filesystem, read_range
-from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
+from pipeline.storage.retry import Retry, Tries, Truncated, describe, http_status, transient, with_retries
 
 __all__ = ["CLIENTS", "Client", "Ranged", "client_for", "ranged_reader"]
 
@@ -48,10 +48,35 @@ class Ranged:
     url: str
     retry: Retry
 
-    def read(self, start: int, end: int, key: str | None = None) -> bytes:
+    @property
+    def sized(self) -> bool:
+        """Whether the client's answers say the object's size (`S3Client.seen_size`): then `read` checks
+        it against the manifest's, and no request asks for it apart."""
+        return hasattr(self.client, "seen_size")
+
+    def read(self, start: int, end: int, key: str | None = None, size: int | None = None) -> bytes:
         """Bytes [start, end) (of sample `key`, for messages): a ShardError if the shard is missing, is
-        short, or fails past the retries."""
-        return read_range(self.client, self.path, self.url, start, end, key, self.retry)  # type: ignore[arg-type]
+        short, or fails past the retries. `size`: the manifest's, for a `sized` client a ShardError
+        saying both sizes (before the bytes are used) where the object's answer says another."""
+        try:
+            data = read_range(self.client, self.path, self.url, start, end, key, self.retry)  # type: ignore[arg-type]
+        except ShardError as exc:  # (a range past a shortened object's end: say why)
+            if size is not None and self.sized and http_status(exc.__cause__) == 416:
+                self._check_size(self.known_size(), size, key, exc)
+            raise
+        if size is not None and self.sized:
+            self._check_size(self.client.seen_size(self.path), size, key)  # type: ignore[attr-defined]
+        return data
+
+    def known_size(self) -> int:
+        """The object's size as an answer said it already (`sized` clients), else asked for (a HEAD)."""
+        seen = self.client.seen_size(self.path) if self.sized else None  # type: ignore[attr-defined]
+        return seen if seen is not None else self.size()
+
+    def _check_size(self, actual: int | None, size: int, key: str | None, cause: Exception | None = None) -> None:
+        if actual is not None and actual != size:
+            what = f"sample {key!r}: " if key is not None else ""
+            raise ShardError(self.url, f"{what}shard is {actual} bytes, the manifest says {size}") from cause
 
     def stream(self, start: int, end: int) -> Iterator[bytes | memoryview]:
         """Bytes [start, end) in order as they arrive: by one request where the client streams

@@ -111,6 +111,12 @@ class ShardReader:
                     self._index_held -= self._indexes.popitem(last=False)[1].nbytes
         return index
 
+    def reads_check_size(self, name: str) -> bool:
+        """Whether each read of the shard checks its size against the manifest's (`Ranged.sized`): then
+        nothing asks for it apart."""
+        fs, _, _, ranged = self._place(name)
+        return not is_local(fs) and ranged.sized
+
     def size(self, name: str, key: str) -> int:
         """The shard's size in bytes (when reading sample `key`, for messages); a local one is a regular file's."""
         fs, path, url, ranged = self._place(name)
@@ -164,7 +170,7 @@ class ShardReader:
         if self._verified is not None:  # (an archive indexed in place, on object storage under a local dataset)
             raise ShardError(url, f"sample {key!r}: verify='sha256' checks shards on local disk; this one is on object "
                              "storage (`shard-pack verify` checks it)")
-        return ranged.read(start, end, key)
+        return ranged.read(start, end, key, size)
 
     def _cached(self, url: str, sha256: str, start: int, end: int) -> bytes | memoryview | None:
         """Bytes [start, end) of the shard from the cache (mapped), or None if it is not cached."""
@@ -239,7 +245,7 @@ class ShardReader:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="shardstream-cache")
 
-            future = self._pool.submit(cache.fetch, url, size, sha256, ranged.stream, actual_size=ranged.size)
+            future = self._pool.submit(cache.fetch, url, size, sha256, ranged.stream, actual_size=ranged.known_size)
             future.add_done_callback(lambda done: self._settled(name, done))
             self._downloads[name] = future
 
