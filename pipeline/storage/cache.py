@@ -146,23 +146,29 @@ class Mismatch(ShardError):
     for each of its samples, not a reason to read it another way."""
 
 
-def _reserve(path: str, size: int) -> int:
-    """A new file at `path` taking `size` bytes of disk (a sparse file where the filesystem cannot
-    allocate ahead), locked while open; its descriptor."""
+def _create(path: str) -> int:
+    """A new empty file at `path`, locked while open (which marks the download live: see
+    `ShardCache._room`; let go by `locks.close`); its descriptor. Call it under the cache's lock:
+    between its open and its lock, another process's `_room` would take the file for a dead one's."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        locks.lock(fd)  # (marks the download live: see ShardCache._room; let go by `locks.close`)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
-            os.ftruncate(fd, size)
+        locks.lock(fd)
     except BaseException:
         locks.close(fd)
         os.unlink(path)
         raise
     return fd
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Make the file open at `fd` take `size` bytes of disk (a sparse file where the filesystem cannot
+    allocate ahead)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)
 
 
 class ShardCache:
@@ -221,13 +227,16 @@ class ShardCache:
         return None
 
     def fetch(self, url: str, size: int, sha256: str, read: Callable[[int, int], Iterator[bytes | memoryview]], *,
-              parallel: int = 4, piece: int = 16 << 20, actual_size: Callable[[], int] | None = None) -> str | None:
+              parallel: int = 4, piece: int = 16 << 20, actual_size: Callable[[], int] | None = None,
+              started: Callable[[], None] = lambda: None) -> str | None:
         """The local path of the shard, downloading it if needed (None if another process is downloading
-        it): `read(start, end)` yields the bytes [start, end) in order. A shard over `piece` bytes downloads in up to `parallel` pieces at once.
+        it): `read(start, end)` yields the bytes [start, end) in order. A shard over `piece` bytes
+        downloads in up to `parallel` pieces at once.
         While it arrives, readers in any process take the bytes already there (`read_arriving`), and
         its SHA-256 is computed as its bytes arrive. `actual_size()`: the object's size, asked for once the
         first request is answered (an answer may say it: `Ranged.known_size`) and before any space is
-        reserved. A `Mismatch` (recorded: see the class) if the object is not the shard."""
+        reserved. `started()` is called once the download's file is there for readers (before its first
+        request). A `Mismatch` (recorded: see the class) if the object is not the shard."""
         path = os.path.join(self.directory, f"{sha256}.tar")
         with _locked(path + ".lock", wait=False) as mine:
             if not mine:  # (another process downloads it: readers take its bytes as they arrive)
@@ -236,36 +245,38 @@ class ShardCache:
                 return found
             if (failed := self.failed(sha256)) is not None:
                 raise Mismatch(url, failed)
-            length = max(piece, -(-size // parallel))
-            pieces = [(first, min(first + length, size)) for first in range(0, size, length)]
-            started, arriving, failed = read(*pieces[0]) if pieces else iter(()), [], None
-            try:
-                arriving = list(itertools.islice(started, 1))  # (the first request: its answer may say the size)
-            except ShardError as exc:  # (a range past a shortened object's end: the size says why)
-                failed = exc
-            if actual_size is not None and (actual := actual_size()) != size:
-                self._mismatch(url, sha256, f"the object is {actual} bytes, the manifest says {size}")
-            if failed is not None:
-                raise failed
             for debris in [*glob.glob(glob.escape(path) + ".partial-*"), path + _ARRIVED]:  # (we hold the lock)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(debris)
+            length = max(piece, -(-size // parallel))
+            pieces = [(first, min(first + length, size)) for first in range(0, size, length)]
             arrived = os.open(path + _ARRIVED, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            partial = f"{path}.partial-{_STREAMED}"
+            partial, fd = f"{path}.partial-{_STREAMED}", None
             try:
                 os.pwrite(arrived, np.array([length, len(pieces), *[0] * len(pieces)], np.int64).tobytes(), 0)
-                fd = self._room(partial, size, url)
+                with self.locked():  # (empty until its size is known; readers wait on it from now: `read_arriving`)
+                    fd = _create(partial)
+                started()
+                stream, arriving, failed = read(*pieces[0]) if pieces else iter(()), [], None
                 try:
-                    digest = _Download(url, fd, arrived, pieces, read, itertools.chain(arriving, started)).run(parallel)
-                    if digest != sha256:  # (recorded before the download's files go: its readers then see it)
-                        self._mismatch(url, sha256, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
-                    with self.locked():  # (one that makes room would miss it between its listing and its count)
-                        os.replace(partial, path)  # (the reserved bytes become the shard's)
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(partial)
-                    locks.close(fd)
+                    arriving = list(itertools.islice(stream, 1))  # (the first request: its answer may say the size)
+                except ShardError as exc:  # (a range past a shortened object's end: the size says why)
+                    failed = exc
+                if actual_size is not None and (actual := actual_size()) != size:
+                    self._mismatch(url, sha256, f"the object is {actual} bytes, the manifest says {size}")
+                if failed is not None:
+                    raise failed
+                self._room(fd, size, url)
+                digest = _Download(url, fd, arrived, pieces, read, itertools.chain(arriving, stream)).run(parallel)
+                if digest != sha256:  # (recorded before the download's files go: its readers then see it)
+                    self._mismatch(url, sha256, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
+                with self.locked():  # (one that makes room would miss it between its listing and its count)
+                    os.replace(partial, path)  # (the reserved bytes become the shard's)
             finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+                if fd is not None:
+                    locks.close(fd)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path + _ARRIVED)
                 os.close(arrived)
@@ -332,11 +343,13 @@ class ShardCache:
             if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
                 return data  # (not kept: the caller names the problem)
             partial = f"{path}.partial-{uuid.uuid4().hex}"
+            with self.locked():
+                fd = _create(partial)
             try:
-                fd = self._room(partial, len(data), path)
-            except CacheFull:
-                return data
-            try:
+                try:
+                    self._room(fd, len(data), path)
+                except CacheFull:
+                    return data
                 os.pwrite(fd, data, 0)
                 with self.locked():
                     os.replace(partial, path)
@@ -356,9 +369,9 @@ class ShardCache:
         change, but for removals (reservations, evictions and downloads renamed into place take it)."""
         return _locked(os.path.join(self.directory, ".cache.lock"))
 
-    def _room(self, partial: str, size: int, url: str) -> int:
-        """Reserve `size` bytes for a download to `partial` (see the class): its descriptor, locked
-        until closed. Raises CacheFull if the downloads in progress leave no room."""
+    def _room(self, fd: int, size: int, url: str) -> None:
+        """Reserve `size` bytes for the download open at `fd` (see the class). Raises CacheFull if the
+        downloads in progress leave no room."""
         with self.locked():
             entries, downloading = [], 0
             for name in os.listdir(self.directory):
@@ -379,7 +392,7 @@ class ShardCache:
             if held + size > self.limit:
                 raise CacheFull(f"{url}: not cached this time: downloads in progress hold {downloading} of the "
                                  f"cache's {self.limit} bytes")
-            return _reserve(partial, size)
+            _allocate(fd, size)
 
     @staticmethod
     def _live_download(path: str) -> int:

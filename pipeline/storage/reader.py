@@ -59,6 +59,7 @@ class ShardReader:
         self._indexes: collections.OrderedDict[str, ShardIndex] = collections.OrderedDict()
         self._index_limit, self._index_held = index_bytes, 0
         self._downloads: dict[str, concurrent.futures.Future[str | None]] = {}
+        self._started: dict[str, threading.Event] = {}  # set once a download's file is there, or it ended
         self._deferred: dict[str, tuple[int, str]] = {}  # shards to download once downloads start
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -142,7 +143,7 @@ class ShardReader:
             if data is None:
                 self._refuse_mismatched(name, url, sha256, key)
                 if download:
-                    self._download(name, size, sha256)
+                    self._download(name, size, sha256).wait(60.0)  # (until its file is there to read from)
                 else:
                     self._deferred.setdefault(name, (size, sha256))
                 data = self.cache.read_arriving(sha256, start, end, patience=60.0 if download else 0.0)
@@ -231,13 +232,15 @@ class ShardReader:
         for name, (size, sha256) in deferred.items():
             self._download(name, size, sha256)
 
-    def _download(self, name: str, size: int, sha256: str) -> None:
+    def _download(self, name: str, size: int, sha256: str) -> threading.Event:
+        """Start the shard's download into the cache unless this process runs it already: an event set
+        once its file is there for readers (`cache.read_arriving`), or it ended."""
         assert self.cache is not None
         cache, (_, _, url, ranged) = self.cache, self._place(name)
         with self._lock:
             running = self._downloads.get(name)
             if running is not None and not running.done():
-                return
+                return self._started[name]
             if running is not None and running.exception() is not None:
                 failed = running.exception()
                 log.log(logging.INFO if isinstance(failed, CacheFull) else logging.WARNING,
@@ -245,9 +248,12 @@ class ShardReader:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="shardstream-cache")
 
-            future = self._pool.submit(cache.fetch, url, size, sha256, ranged.stream, actual_size=ranged.known_size)
-            future.add_done_callback(lambda done: self._settled(name, done))
+            started = self._started[name] = threading.Event()
+            future = self._pool.submit(cache.fetch, url, size, sha256, ranged.stream, actual_size=ranged.known_size,
+                                       started=started.set)
+            future.add_done_callback(lambda done: (started.set(), self._settled(name, done)))
             self._downloads[name] = future
+            return started
 
     def _settled(self, name: str, future: concurrent.futures.Future[str | None]) -> None:
         exc = None if future.cancelled() else future.exception()
