@@ -4,7 +4,7 @@
 - Order: a shuffle from the table `SHUFFLES`. With `shuffle=True` ("shards-then-window"), the shards
   are permuted, then samples are permuted within consecutive windows of `window` samples of that
   sequence (locality: a window touches few shards). Seeds come from `numpy.random.SeedSequence`
-  over (seed, epoch, purpose, window): no global state.
+  over (seed, epoch, purpose, window) (purposes: `pipeline.seeds`): no global state.
 - Ranks: rank r takes a contiguous span of the order, cut into batches. Every rank gets the same
   number of batches (DDP needs it). `drop_last=True` drops the tail of the order that does not
   fill a batch on every rank (fewer than world_size * batch_size samples); `drop_last=False`
@@ -39,6 +39,7 @@ from typing import Any, overload
 import numpy as np
 
 from pipeline.errors import PlanError
+from pipeline.seeds import MixStep, Purpose
 
 __all__ = [
     "World", "Resume", "Mix", "PlanError", "rank_batch_sizes", "rank_batch_count", "rank_sample_count",
@@ -46,8 +47,6 @@ __all__ = [
     "shuffle_name",
 ]
 
-_SHARD_ORDER, _WINDOW_ORDER, _MIX_ORDER = 1, 2, 4  # SeedSequence purposes (3 is the SA-1B mask sampling)
-_MIX_LABELS, _MIX_SPLIT = 0, 1  # within _MIX_ORDER: a window's permutation, a tree node's split
 _MIX_WINDOW = 4096  # positions per mixing window (part of the mixed order: changing it changes the order)
 _CHUNK = 8192  # positions a lazy plan computes at once
 _HYPERGEOMETRIC_LIMIT = 10**9  # numpy's bound on each of ngood and nbad
@@ -128,14 +127,14 @@ class _ShardsThenWindow:
         self.entropy, self.window = list(entropy), window
         counts = np.asarray(sizes, dtype=np.int64)
         self.total = int(counts.sum())
-        self.perm = np.random.default_rng([*entropy, _SHARD_ORDER]).permutation(counts.size)
+        self.perm = np.random.default_rng([*entropy, Purpose.SHARD_ORDER]).permutation(counts.size)
         self.first_id = np.concatenate(([0], np.cumsum(counts)[:-1]))
         self.seq_start = np.concatenate(([0], np.cumsum(counts[self.perm])[:-1]))
         self.windows: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
 
     def _within(self, w: int) -> np.ndarray:
         if w not in self.windows:
-            rng = np.random.default_rng([*self.entropy, _WINDOW_ORDER, w])
+            rng = np.random.default_rng([*self.entropy, Purpose.WINDOW_ORDER, w])
             self.windows[w] = rng.permutation(min(self.window, self.total - w * self.window))
             if len(self.windows) > 4:
                 self.windows.popitem(last=False)
@@ -395,7 +394,7 @@ class _Mixer:
 
     def _split(self, lo: int, hi: int, counts: np.ndarray, size: int) -> np.ndarray:
         """Per-source counts of the first `size` positions of the tree node over windows [lo, hi)."""
-        return _split_counts(np.random.default_rng([self.seed, self.epoch, _MIX_ORDER, _MIX_SPLIT, lo, hi]), counts, size)
+        return _split_counts(np.random.default_rng([self.seed, self.epoch, Purpose.MIX_ORDER, MixStep.SPLIT, lo, hi]), counts, size)
 
     def _window(self, w: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, how many of that source come before in the epoch) at each position of window w."""
@@ -409,7 +408,7 @@ class _Mixer:
             else:
                 counts, before, lo = counts - left, before + left, mid
         labels = np.repeat(np.arange(self.counts.size), counts)
-        labels = np.random.default_rng([self.seed, self.epoch, _MIX_ORDER, _MIX_LABELS, w]).permutation(labels)
+        labels = np.random.default_rng([self.seed, self.epoch, Purpose.MIX_ORDER, MixStep.LABELS, w]).permutation(labels)
         order = np.argsort(labels, kind="stable")
         nth = np.empty(labels.size, np.int64)
         nth[order] = np.arange(labels.size) - np.repeat(np.cumsum(counts) - counts - before, counts)
