@@ -112,27 +112,29 @@ class MixedOrder:
                 cache.popitem(last=False)
         return cache[key]
 
-    def _split(self, lo: int, hi: int, counts: np.ndarray, size: int) -> np.ndarray:
+    def _left_counts(self, lo: int, hi: int, counts: np.ndarray, size: int) -> np.ndarray:
         """Per-source counts of the first `size` positions of the tree node over windows [lo, hi)."""
-        return _split_counts(np.random.default_rng([self.seed, self.epoch, Purpose.MIX_ORDER, MixStep.SPLIT, lo, hi]), counts, size)
+        rng = np.random.default_rng([self.seed, self.epoch, Purpose.MIX_ORDER, MixStep.SPLIT, lo, hi])
+        return _split_counts(rng, counts, size)
 
-    def _window(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+    def _window_labels(self, w: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, how many of that source come before in the epoch) at each position of window w."""
         lo, hi, counts, before = 0, self.windows, self.counts, np.zeros_like(self.counts)
         while hi - lo > 1:  # down the tree: each node splits its counts between its halves
             mid = (lo + hi) // 2
             size = min(mid * _MIX_WINDOW, self.total) - lo * _MIX_WINDOW
-            left = self._cached(self.nodes, (lo, hi), 256, self._split, lo, hi, counts, size)
+            left = self._cached(self.nodes, (lo, hi), 256, self._left_counts, lo, hi, counts, size)
             if w < mid:
                 counts, hi = left, mid
             else:
                 counts, before, lo = counts - left, before + left, mid
         labels = np.repeat(np.arange(self.counts.size), counts)
-        labels = np.random.default_rng([self.seed, self.epoch, Purpose.MIX_ORDER, MixStep.LABELS, w]).permutation(labels)
+        rng = np.random.default_rng([self.seed, self.epoch, Purpose.MIX_ORDER, MixStep.LABELS, w])
+        labels = rng.permutation(labels)
         order = np.argsort(labels, kind="stable")
-        nth = np.empty(labels.size, np.int64)
-        nth[order] = np.arange(labels.size) - np.repeat(np.cumsum(counts) - counts - before, counts)
-        return labels, nth
+        index_in_source = np.empty(labels.size, np.int64)
+        index_in_source[order] = np.arange(labels.size) - np.repeat(np.cumsum(counts) - counts - before, counts)
+        return labels, index_in_source
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, how many of that source come before) at the given positions of the epoch."""
@@ -141,27 +143,27 @@ class MixedOrder:
             ends = np.cumsum(self.counts)
             source = np.searchsorted(ends, positions, side="right")
             return source, positions - (ends - self.counts)[source]
-        source, nth = np.empty_like(positions), np.empty_like(positions)
+        source, index_in_source = np.empty_like(positions), np.empty_like(positions)
         windows = positions // _MIX_WINDOW
         order = np.argsort(windows, kind="stable")
         for group in np.split(order, np.flatnonzero(np.diff(windows[order])) + 1) if order.size else []:
             w = int(windows[group[0]])
-            labels, before = self._cached(self.labels, w, 4, self._window, w)
+            labels, before = self._cached(self.labels, w, 4, self._window_labels, w)
             within = positions[group] - w * _MIX_WINDOW
-            source[group], nth[group] = labels[within], before[within]
-        return source, nth
+            source[group], index_in_source[group] = labels[within], before[within]
+        return source, index_in_source
 
     def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        source, nth = self.locate(positions)
+        source, index_in_source = self.locate(positions)
         ids = np.empty(source.size, dtype=np.int64)
         for s in np.unique(source).tolist():
             mine = np.flatnonzero(source == s)
-            passes = nth[mine] // self.sizes[s]
+            passes = index_in_source[mine] // self.sizes[s]
             for run in np.unique(passes).tolist():
                 sel = mine[passes == run]
                 order = self._cached(self.orders, (s, run), 2 * len(self.sources), self.order, self.sources[s],
                                      [self.seed, self.epoch, s, run], self.window)
-                ids[sel] = order(nth[sel] % self.sizes[s])
+                ids[sel] = order(index_in_source[sel] % self.sizes[s])
         return source, ids
 
 

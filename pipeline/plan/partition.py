@@ -43,7 +43,7 @@ class World:
             raise ValueError(f"worker {self.worker} not in [0, num_workers={self.num_workers})")
 
 
-def _first(total: int, world_size: int, ranks: np.ndarray, batch_size: int, drop_last: bool) -> np.ndarray:
+def _span_starts(total: int, world_size: int, ranks: np.ndarray, batch_size: int, drop_last: bool) -> np.ndarray:
     """First position of each of `ranks`' spans."""
     if drop_last:
         return ranks * (total // (world_size * batch_size) * batch_size)
@@ -51,9 +51,10 @@ def _first(total: int, world_size: int, ranks: np.ndarray, batch_size: int, drop
     return ranks * share + np.minimum(ranks, extra)
 
 
-def _layout(total: int, world_size: int, rank: int, batch_size: int, drop_last: bool) -> tuple[int, int, tuple[int, ...]]:
+def _span_layout(total: int, world_size: int, rank: int, batch_size: int,
+                 drop_last: bool) -> tuple[int, int, tuple[int, ...]]:
     """(first position, full batches, sizes of the at most two batches after them) of `rank`'s span."""
-    start = int(_first(total, world_size, np.int64(rank), batch_size, drop_last))
+    start = int(_span_starts(total, world_size, np.int64(rank), batch_size, drop_last))
     if drop_last:
         return start, total // (world_size * batch_size), ()
     share, extra = divmod(total, world_size)
@@ -72,15 +73,16 @@ def _layout(total: int, world_size: int, rank: int, batch_size: int, drop_last: 
     return start, batches - 1, (last,)
 
 
-def _offset(batch: int, full: int, tail: tuple[int, ...], batch_size: int) -> int:
+def _samples_before(batch: int, full: int, tail: tuple[int, ...], batch_size: int) -> int:
     """Samples in a rank's batches before `batch`."""
     return batch * batch_size if batch <= full else full * batch_size + sum(tail[: batch - full])
 
 
 def rank_batch_sizes(total: int, world_size: int, rank: int, batch_size: int, drop_last: bool) -> tuple[int, list[int]]:
     """(first position, batch sizes) of `rank`'s contiguous span of the epoch order."""
-    start, full, tail = _layout(total, world_size, rank, batch_size, drop_last)
+    start, full, tail = _span_layout(total, world_size, rank, batch_size, drop_last)
     return start, [batch_size] * full + list(tail)
+
 
 @dataclasses.dataclass(frozen=True)
 class Resume:
@@ -94,7 +96,8 @@ class Resume:
             raise ValueError(f"invalid resume point {self}")
 
 
-def _keep(starts: np.ndarray, cum: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _runs_at_indices(starts: np.ndarray, cum: np.ndarray, lo: np.ndarray,
+                     hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The runs (starts, prefix lengths) of the positions at indices [lo[i], hi[i]) (sorted, disjoint)
     of the sequence that the runs `starts`, `cum` describe."""
     nonempty = hi > lo
@@ -118,32 +121,32 @@ def _keep(starts: np.ndarray, cum: np.ndarray, lo: np.ndarray, hi: np.ndarray) -
 @dataclasses.dataclass(frozen=True)
 class RankSpan:
     """A rank's batches after a history: the remaining positions as runs (`starts`, prefix lengths
-    `cum`), and in that sequence the rank's layout from index `first`, less the `skip` batches
-    already taken."""
+    `cum`), and in that sequence the rank's layout from index `start` (`full_batches` of
+    `batch_size`, then `tail_sizes`), less the `taken` batches already taken."""
 
     starts: np.ndarray
     cum: np.ndarray
-    first: int
-    full: int
-    tail: tuple[int, ...]
-    skip: int
+    start: int
+    full_batches: int
+    tail_sizes: tuple[int, ...]
+    taken: int
     batch_size: int
 
     @property
     def batches(self) -> int:
-        return self.full + len(self.tail) - self.skip
+        return self.full_batches + len(self.tail_sizes) - self.taken
 
     @property
     def samples(self) -> int:
-        end, skip = (_offset(j, self.full, self.tail, self.batch_size) for j in (self.full + len(self.tail), self.skip))
-        return end - skip
+        layout = (self.full_batches, self.tail_sizes, self.batch_size)
+        return _samples_before(self.full_batches + len(self.tail_sizes), *layout) - _samples_before(self.taken, *layout)
 
     def offsets(self, batches: np.ndarray) -> np.ndarray:
         """Index in the remaining sequence of the first sample of each of these batches (of this iteration)."""
-        j = np.asarray(batches, np.int64) + self.skip
-        tail = np.cumsum([0, *self.tail])
-        over = self.full * self.batch_size + tail[np.clip(j - self.full, 0, len(self.tail))]
-        return self.first + np.where(j <= self.full, j * self.batch_size, over)
+        j = np.asarray(batches, np.int64) + self.taken
+        tail = np.cumsum([0, *self.tail_sizes])
+        over = self.full_batches * self.batch_size + tail[np.clip(j - self.full_batches, 0, len(self.tail_sizes))]
+        return self.start + np.where(j <= self.full_batches, j * self.batch_size, over)
 
     def positions(self, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(epoch-order positions of these batches' samples, one after another; each batch's size)."""
@@ -156,26 +159,27 @@ class RankSpan:
 
 
 def rank_span(total: int, world_size: int, rank: int, batch_size: int, drop_last: bool,
-               history: Sequence[Resume]) -> RankSpan:
+              history: Sequence[Resume]) -> RankSpan:
     """`rank`'s batches after the epoch's `history` (see `rank_positions`), as arithmetic on runs."""
     starts, cum = np.zeros(min(total, 1), np.int64), np.array([0, total] if total else [0], np.int64)
     for i, stretch in enumerate(history):
         n, size = int(cum[-1]), stretch.world_size
         took = []  # samples each kind of rank took: the larger ranks (from 0), the smaller (to the last)
         for r in (0, size - 1):  # (the last rank fails to split if any does)
-            _, full, tail = _layout(n, size, r, batch_size, drop_last)
+            _, full, tail = _span_layout(n, size, r, batch_size, drop_last)
             if stretch.batches > full + len(tail):
                 raise PlanError(f"cannot resume after batch {stretch.batches}: "
                                 f"the epoch has {full + len(tail)} batches per rank")
-            took.append(_offset(stretch.batches, full, tail, batch_size))
+            took.append(_samples_before(stretch.batches, full, tail, batch_size))
         if i == len(history) - 1 and size == world_size:
-            return RankSpan(starts, cum, *_layout(n, world_size, rank, batch_size, drop_last), stretch.batches, batch_size)
+            layout = _span_layout(n, world_size, rank, batch_size, drop_last)
+            return RankSpan(starts, cum, *layout, stretch.batches, batch_size)
         ranks = np.arange(size, dtype=np.int64)
-        first = _first(n, size, ranks, batch_size, drop_last)
+        begin = _span_starts(n, size, ranks, batch_size, drop_last)
         taken = np.where(ranks < (0 if drop_last else n % size), took[0], took[1])
-        first, end = first[taken > 0], (first + taken)[taken > 0]
-        starts, cum = _keep(starts, cum, np.concatenate(([0], end)), np.concatenate((first, [n])))
-    return RankSpan(starts, cum, *_layout(int(cum[-1]), world_size, rank, batch_size, drop_last), 0, batch_size)
+        begin, end = begin[taken > 0], (begin + taken)[taken > 0]
+        starts, cum = _runs_at_indices(starts, cum, np.concatenate(([0], end)), np.concatenate((begin, [n])))
+    return RankSpan(starts, cum, *_span_layout(int(cum[-1]), world_size, rank, batch_size, drop_last), 0, batch_size)
 
 
 def rank_batch_count(total: int, world_size: int, rank: int, batch_size: int, drop_last: bool,

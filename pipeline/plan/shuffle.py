@@ -36,12 +36,12 @@ class _ShardsThenWindow:
         self.entropy, self.window = list(entropy), window
         counts = np.asarray(sizes, dtype=np.int64)
         self.total = int(counts.sum())
-        self.perm = np.random.default_rng([*entropy, Purpose.SHARD_ORDER]).permutation(counts.size)
+        self.shard_order = np.random.default_rng([*entropy, Purpose.SHARD_ORDER]).permutation(counts.size)
         self.first_id = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        self.seq_start = np.concatenate(([0], np.cumsum(counts[self.perm])[:-1]))
+        self.seq_start = np.concatenate(([0], np.cumsum(counts[self.shard_order])[:-1]))
         self.windows: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
 
-    def _within(self, w: int) -> np.ndarray:
+    def _window_permutation(self, w: int) -> np.ndarray:
         if w not in self.windows:
             rng = np.random.default_rng([*self.entropy, Purpose.WINDOW_ORDER, w])
             self.windows[w] = rng.permutation(min(self.window, self.total - w * self.window))
@@ -58,9 +58,9 @@ class _ShardsThenWindow:
         sequence = np.empty_like(positions)  # position in the shard-permuted sequence of all samples
         for group in np.split(order, np.flatnonzero(np.diff(windows[order])) + 1):
             w = int(windows[group[0]])
-            sequence[group] = w * self.window + self._within(w)[positions[group] - w * self.window]
+            sequence[group] = w * self.window + self._window_permutation(w)[positions[group] - w * self.window]
         shard = np.searchsorted(self.seq_start, sequence, side="right") - 1  # skips empty shards
-        return self.first_id[self.perm[shard]] + sequence - self.seq_start[shard]
+        return self.first_id[self.shard_order[shard]] + sequence - self.seq_start[shard]
 
 
 # The shuffles, by name. A new shuffle is a function here (or a module beside this one) and an entry in
