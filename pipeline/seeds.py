@@ -22,6 +22,7 @@ import enum
 __all__ = ["Purpose", "MixStep"]
 
 
+@enum.unique
 class Purpose(enum.IntEnum):
     """The word after (seed, epoch) that says what a draw is for."""
 
@@ -31,6 +32,7 @@ class Purpose(enum.IntEnum):
     MIX_ORDER = 4
 
 
+@enum.unique
 class MixStep(enum.IntEnum):
     """Within `Purpose.MIX_ORDER`: which part of the mixed order a draw decides."""
 
