@@ -25,6 +25,7 @@ from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, 
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.rle import RLEError, check, fit, raster_bits
+from pipeline.seeds import Purpose
 from pipeline.stats import Clock
 
 __all__ = [
@@ -34,7 +35,6 @@ __all__ = [
     "Sa1b",
 ]
 
-_MASKS = 3  # SeedSequence purpose, beside the plan's
 STAGES = ("image", "masks")  # the parts of `decode_sample` it times (`Kind.stages`)
 
 BATCH_FIELDS = {
@@ -108,7 +108,7 @@ def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.
     if count <= limit:
         return np.arange(count)
     key_entropy = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "little")
-    rng = np.random.default_rng([seed, epoch, _MASKS, key_entropy])
+    rng = np.random.default_rng([seed, epoch, Purpose.MASKS, key_entropy])
     return np.sort(rng.choice(count, limit, replace=False))
 
 
