@@ -7,6 +7,7 @@ import logging
 import os
 import pathlib
 import tarfile
+import uuid
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from pipeline.storage import filesystem, read_index, read_manifest, shard_indexe
 
 from shard_tools.pack import PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
+from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.sample_data import write_sa1b
 
 IMAGES = 14
@@ -79,3 +81,22 @@ def split_keys(root: str, split: str = "train", **storage: Any) -> list[str]:
 def split_units(root: str, split: str = "train") -> list[tuple[str, int]]:
     """(key, units) of every sample of a split, in shard order."""
     return [(key, int(u)) for _, index in indexed(root, split) for key, u in zip(index.key_list(), index.units)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """A SeaweedFS S3 server on 127.0.0.1 for the module's tests (explicit credentials; no metadata probes)."""
+    os.environ.update({k: v for k, v in AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
+    weed = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    weed.start()
+    yield weed
+    weed.stop()
+
+
+def new_bucket(server: SeaweedFS) -> str:
+    """A new empty bucket on the server: its name."""
+    import s3fs
+
+    name = f"t{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True).mkdir(name)
+    return name

@@ -16,18 +16,10 @@ import pytest
 import s3fs
 
 from shard_tools.cli import main
-from shard_tools.locals3 import AWS_ENV, SECRET, SeaweedFS, storage_options
+from conftest import new_bucket
+from shard_tools.locals3 import AWS_ENV, SECRET, storage_options
 
 SMALL = ["--image-size", "32", "--mask-size", "8", "--max-masks", "2"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    os.environ.update({k: v for k, v in AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
-    weed = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
-    weed.start()
-    yield weed
-    weed.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +33,7 @@ def _no_credentials_in_the_environment(monkeypatch):
 
 def _upload(server: SeaweedFS, folder: str | pathlib.Path) -> str:
     fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
-    bucket = f"t{uuid.uuid4().hex[:12]}"
-    fs.mkdir(bucket)
+    bucket = new_bucket(server)
     fs.put(str(folder) + "/", f"{bucket}/data/", recursive=True)
     return f"s3://{bucket}/data"
 

@@ -32,7 +32,7 @@ from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.pack import PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
 from test_hostile import _corpus
-from conftest import indexed, split_keys
+from conftest import indexed, new_bucket, split_keys
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
 SPLITS = (("train", 0.7), ("val", 0.3))  # as the packed fixture's
@@ -340,20 +340,10 @@ def test_a_shard_listed_twice_in_a_split_is_refused(sa1b_src, tmp_path):
             Manifest.from_json(json.dumps(manifest).encode(), "m")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    os.environ.update({k: v for k, v in AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
-    weed = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
-    weed.start()
-    yield weed
-    weed.stop()
-
-
 def test_index_archives_on_s3(server, sa1b_src, tmp_path):
     options = storage_options(server.endpoint)
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-    bucket = f"t{uuid.uuid4().hex[:12]}"
-    fs.mkdir(bucket)
+    bucket = new_bucket(server)
     fs.put(str(sa1b_src) + "/", f"{bucket}/sa1b/", recursive=True)
     local = tmp_path / "local"
     index_sa1b([str(sa1b_src)], str(local), progress=False)
@@ -471,8 +461,7 @@ def test_members_far_apart_on_s3_by_range_and_through_the_cache(server, sa1b_src
     index_sa1b([str(archive)], str(local), progress=False)
     options = storage_options(server.endpoint)
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-    bucket = f"t{uuid.uuid4().hex[:12]}"
-    fs.mkdir(bucket)
+    bucket = new_bucket(server)
     fs.put(str(archive), f"{bucket}/apart/apart.tar")
     remote = f"s3://{bucket}/apart"
     index_sa1b([remote], remote, progress=False, storage_options=options)

@@ -41,20 +41,12 @@ from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.verify import upgrade, verify
-from conftest import indexed, split_keys
+from conftest import indexed, new_bucket, split_keys
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
 REPO = str(pathlib.Path(__file__).resolve().parent.parent)
 FAST = Retry(attempts=4, initial_delay=0.01, max_delay=0.05, throttle_seconds=0)  # (exact tries, throttling too)
 os.environ.update({k: v for k, v in AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    weed = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
-    weed.start()
-    yield weed
-    weed.stop()
 
 
 @pytest.fixture
@@ -64,17 +56,11 @@ def proxy(server: SeaweedFS):
     p.close()
 
 
-def _bucket(server: SeaweedFS) -> str:
-    name = f"t{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True).mkdir(name)
-    return name
-
-
 @pytest.fixture(scope="module")
 def remote(server: SeaweedFS, sa1b_dataset: str) -> str:
     """The packed SA-1B fixture uploaded as is: s3://<bucket>/sa1b."""
     fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
-    bucket = _bucket(server)
+    bucket = new_bucket(server)
     fs.put(sa1b_dataset + "/", f"{bucket}/sa1b/", recursive=True)
     return f"s3://{bucket}/sa1b"
 
@@ -136,7 +122,7 @@ def test_pack_to_s3_is_byte_identical_to_local(sa1b_src, tmp_path, server, monke
     for name, value in {**AWS_ENV, "AWS_ENDPOINT_URL": server.endpoint}.items():
         monkeypatch.setenv(name, value)  # shard-pack takes credentials from the environment, like s3fs
     options = PackOptions(shard_samples=3, splits=(("train", 0.7), ("val", 0.3)), workers=2)
-    out = f"s3://{_bucket(server)}/packed"
+    out = f"s3://{new_bucket(server)}/packed"
     pack(Sa1bSource(), [str(sa1b_src)], out, options, progress=False)
     pack(Sa1bSource(), [str(sa1b_src)], str(tmp_path / "local"), options, progress=False)
     fs, base = filesystem(out, storage_options(server.endpoint))
@@ -394,7 +380,7 @@ def test_upgrade_in_place_on_object_storage(server, sa1b_dataset, tmp_path):
     shutil.copytree(sa1b_dataset, old)
     _downgrade(old)
     fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
-    url = f"s3://{_bucket(server)}/old"
+    url = f"s3://{new_bucket(server)}/old"
     fs.put(str(old) + "/", url.removeprefix("s3://") + "/", recursive=True)
     _same(_epoch(url, storage_options=storage_options(server.endpoint)), _epoch(sa1b_dataset))  # schema 2, as it is
     assert "upgraded from schema 2" in upgrade(url, progress=False, storage_options=storage_options(server.endpoint))
@@ -528,7 +514,7 @@ def _changed_upstream(server: SeaweedFS, sa1b_dataset: str) -> tuple[str, str, l
     """The packed fixture uploaded, then one shard rewritten upstream at the same size (a byte of a
     JPEG's header: it still decodes): (the dataset's URL, that shard's URL, its keys)."""
     fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
-    source = f"s3://{_bucket(server)}/sa1b"
+    source = f"s3://{new_bucket(server)}/sa1b"
     fs.put(sa1b_dataset + "/", source + "/", recursive=True)
     shard, index = indexed(sa1b_dataset)[1]
     data = bytearray(pathlib.Path(sa1b_dataset, shard.name).read_bytes())
@@ -561,7 +547,7 @@ def test_a_shard_larger_in_the_manifest_than_its_object_evicts_nothing(remote, s
     to make room, then yielded the object's samples. Now its size is asked for first: every sample
     of that shard is an error, and nothing is reserved or evicted."""
     fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
-    source = f"s3://{_bucket(server)}/sa1b"
+    source = f"s3://{new_bucket(server)}/sa1b"
     fs.put(sa1b_dataset + "/", source + "/", recursive=True)
     manifest = json.loads(pathlib.Path(sa1b_dataset, "manifest.json").read_text())
     table = manifest["splits"]["train"]["shards"]
@@ -593,7 +579,7 @@ def test_a_shard_resized_upstream_is_named_by_the_answers_without_asking_its_siz
     still named before any of its samples is used; cut short, its last sample's range runs past the
     end (416, or fewer bytes), and that too is said as the two sizes."""
     fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
-    source = f"s3://{_bucket(server)}/sa1b"
+    source = f"s3://{new_bucket(server)}/sa1b"
     fs.put(sa1b_dataset + "/", source + "/", recursive=True)
     shard, index = indexed(sa1b_dataset)[1]
     data = pathlib.Path(sa1b_dataset, shard.name).read_bytes()
@@ -640,7 +626,7 @@ def _watch(cache: storage.ShardCache, stop: threading.Event, peaks: dict[str, in
 
 
 def test_two_processes_sharing_a_cache_stay_within_its_limit(sa1b_src, server, tmp_path):
-    bucket = _bucket(server)
+    bucket = new_bucket(server)
     pack(Sa1bSource(), [str(sa1b_src)], f"{tmp_path}/one", PackOptions(shard_samples=1), progress=False)
     s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True).put(
         f"{tmp_path}/one/", f"{bucket}/one/", recursive=True)
@@ -701,7 +687,7 @@ def test_verify_on_object_storage_reads_each_shard_once_and_checks_every_sample(
     """`shard-pack verify` of an s3:// dataset streams each shard front to back once (its samples are
     checked from that copy), not a range request per sample; a damaged sample is still named."""
     fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
-    root = f"s3://{_bucket(server)}/sa1b"
+    root = f"s3://{new_bucket(server)}/sa1b"
     fs.put(sa1b_dataset + "/", root[5:] + "/", recursive=True)
     options = storage_options(proxy.endpoint)
     assert verify(root, progress=False, storage_options=options) == []
@@ -725,7 +711,7 @@ def test_verify_on_object_storage_reads_each_shard_once_and_checks_every_sample(
 def _verify_victim(server: SeaweedFS, sa1b_dataset: str) -> tuple[str, str, int]:
     """A fresh copy of the dataset on the server: (its root, the shard the tests below fault, its size)."""
     fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
-    root = f"s3://{_bucket(server)}/sa1b"
+    root = f"s3://{new_bucket(server)}/sa1b"
     fs.put(sa1b_dataset + "/", root[5:] + "/", recursive=True)
     shard, _ = indexed(sa1b_dataset)[1]
     return root, shard.name, shard.bytes
