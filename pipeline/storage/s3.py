@@ -180,17 +180,36 @@ def _store(bucket: str, options: dict[str, Any]) -> Any:
     AWS_* environment and config files; raises _Declined for what it cannot honour."""
     from obstore.store import S3Store
 
+    client_kwargs, config_kwargs = dict(options.get("client_kwargs") or {}), dict(options.get("config_kwargs") or {})
+    _refuse_unknown(options, client_kwargs, config_kwargs)
+    session = _session(options.get("profile"))
+    where = _where(bucket, options, client_kwargs, config_kwargs, session)
+    signing, provider = _credentials(options, client_kwargs, config_kwargs, session)
+    config = {"bucket": bucket, "request_payer": bool(options.get("requester_pays")), "skip_signature": False,
+              "s3_express": False, **where, **signing}
+    client_options = _client_options(where["endpoint"], client_kwargs, config_kwargs, session)
+    _RUNTIME[:] = _RUNTIME or [os.getpid()]
+    return S3Store(config=config, client_options=client_options, retry_config={"max_retries": 0},  # type: ignore[arg-type]
+                   credential_provider=provider)
+
+
+def _refuse_unknown(options: dict[str, Any], client_kwargs: dict[str, Any], config_kwargs: dict[str, Any]) -> None:
+    """_Declined for an s3fs option, client or config keyword the lean client does not honour."""
     unknown = sorted(set(options) - _NO_EFFECT - {"key", "secret", "token", "username", "password", "anon",
                                                   "endpoint_url", "client_kwargs", "config_kwargs", "profile",
                                                   "requester_pays", "use_ssl"})
-    client_kwargs, config_kwargs = dict(options.get("client_kwargs") or {}), dict(options.get("config_kwargs") or {})
     unknown += [f"client_kwargs[{k!r}]" for k in sorted(set(client_kwargs) - _CLIENT_KWARGS)]
     unknown += [f"config_kwargs[{k!r}]" for k in sorted(set(config_kwargs) - _CONFIG_KWARGS)]
     s3_config = dict(config_kwargs.get("s3") or {})
     unknown += [f"config_kwargs['s3'][{k!r}]" for k in sorted(set(s3_config) - {"addressing_style"})]
     if unknown:
         raise _Declined(f"options {', '.join(unknown)}")
-    session = _session(options.get("profile"))
+
+
+def _where(bucket: str, options: dict[str, Any], client_kwargs: dict[str, Any], config_kwargs: dict[str, Any],
+           session: Any) -> dict[str, Any]:
+    """The store's endpoint, region and addressing, as botocore would pick them (_Declined where the
+    lean client would not reach the same place)."""
     scoped = session.get_scoped_config()
     for name in ("use_fips_endpoint", "use_dualstack_endpoint"):
         if session.get_config_variable(name) not in (None, False, "false"):
@@ -199,7 +218,6 @@ def _store(bucket: str, options: dict[str, Any]) -> Any:
         raise _Declined(f"config file setting s3.{name}")
     if os.environ.get("AWS_SSE_CUSTOMER_KEY_BASE64"):
         raise _Declined("AWS_SSE_CUSTOMER_KEY_BASE64 (obstore would send it, botocore does not)")
-
     endpoint = _one(options, client_kwargs, "endpoint_url", "endpoint_url")
     if endpoint is None and not session.get_config_variable("ignore_configured_endpoint_urls"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -207,61 +225,62 @@ def _store(bucket: str, options: dict[str, Any]) -> Any:
             raise _Declined("an endpoint set in the AWS config file")
     region = client_kwargs.get("region_name") or config_kwargs.get("region_name") or \
         session.get_config_variable("region")
-    style = s3_config.get("addressing_style") or (scoped.get("s3") or {}).get("addressing_style") or "auto"
-    config: dict[str, Any] = {"bucket": bucket, "request_payer": bool(options.get("requester_pays")),
-                              "skip_signature": False, "s3_express": False}
+    style = (config_kwargs.get("s3") or {}).get("addressing_style") or (scoped.get("s3") or {}).get("addressing_style") \
+        or "auto"
     if endpoint is not None:
-        config.update(endpoint=endpoint.rstrip("/"), region=region or "us-east-1",
-                      virtual_hosted_style_request=style == "virtual")
         if style == "virtual":
             raise _Declined("virtual-hosted addressing on a custom endpoint")
-    elif region is None:
+        return {"endpoint": endpoint.rstrip("/"), "region": region or "us-east-1", "virtual_hosted_style_request": False}
+    if region is None:
         raise _Declined("no region (s3fs follows the bucket's redirect)")
-    elif options.get("use_ssl") is False or client_kwargs.get("use_ssl") is False:
+    if options.get("use_ssl") is False or client_kwargs.get("use_ssl") is False:
         raise _Declined("use_ssl=False")
-    else:
-        virtual = style != "path" and re.fullmatch(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]", bucket) is not None
-        host = f"{bucket}.s3.{region}.amazonaws.com" if virtual else f"s3.{region}.amazonaws.com"
-        config.update(endpoint=f"https://{host}", region=region, virtual_hosted_style_request=virtual)
+    virtual = style != "path" and re.fullmatch(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]", bucket) is not None
+    host = f"{bucket}.s3.{region}.amazonaws.com" if virtual else f"s3.{region}.amazonaws.com"
+    return {"endpoint": f"https://{host}", "region": region, "virtual_hosted_style_request": virtual}
 
+
+def _credentials(options: dict[str, Any], client_kwargs: dict[str, Any], config_kwargs: dict[str, Any],
+                 session: Any) -> tuple[dict[str, Any], _Credentials | None]:
+    """(the store's signing settings, a credential provider or None): anonymous, the options' keys,
+    or botocore's credential chain."""
     key = _one(options, client_kwargs, "key", "aws_access_key_id") or options.get("username")
     secret = _one(options, client_kwargs, "secret", "aws_secret_access_key") or options.get("password")
     token = _one(options, client_kwargs, "token", "aws_session_token")
     signature = config_kwargs.get("signature_version")
-    provider = None
     if options.get("anon") or type(signature).__name__ == "UNSIGNED":  # (botocore.UNSIGNED)
-        config["skip_signature"] = True
-    elif signature not in (None, "s3v4", "v4"):
+        return {"skip_signature": True}, None
+    if signature not in (None, "s3v4", "v4"):
         raise _Declined(f"signature_version {signature!r}")
-    elif key is not None or secret is not None:
+    if key is not None or secret is not None:
         if key is None or secret is None:
             raise _Declined("a key without a secret, or a secret without a key")
-        config.update(access_key_id=key, secret_access_key=secret)
-        if token is not None:
-            config["session_token"] = token
-    else:
-        credentials = session.get_credentials()
-        if credentials is None:
-            raise _Declined("no credentials found by botocore")
-        provider = _Credentials(credentials)
+        return {"access_key_id": key, "secret_access_key": secret,
+                **({"session_token": token} if token is not None else {})}, None
+    credentials = session.get_credentials()
+    if credentials is None:
+        raise _Declined("no credentials found by botocore")
+    return {}, _Credentials(credentials)
 
+
+def _client_options(endpoint: str, client_kwargs: dict[str, Any], config_kwargs: dict[str, Any],
+                    session: Any) -> dict[str, Any]:
+    """obstore's HTTP client options: botocore's timeouts and certificate settings."""
     seconds = {name: float(config_kwargs.get(name, 60)) for name in ("connect_timeout", "read_timeout")}  # botocore's
-    client_options: dict[str, Any] = {"allow_http": config["endpoint"].startswith("http://"),
-                                      "connect_timeout": datetime.timedelta(seconds=seconds["connect_timeout"]),
-                                      "read_timeout": datetime.timedelta(seconds=seconds["read_timeout"]),
-                                      "timeout": datetime.timedelta(days=1)}  # botocore bounds no whole request
+    found: dict[str, Any] = {"allow_http": endpoint.startswith("http://"),
+                             "connect_timeout": datetime.timedelta(seconds=seconds["connect_timeout"]),
+                             "read_timeout": datetime.timedelta(seconds=seconds["read_timeout"]),
+                             "timeout": datetime.timedelta(days=1)}  # botocore bounds no whole request
     verify = client_kwargs.get("verify", session.get_config_variable("ca_bundle"))
     if verify is False:
-        client_options["allow_invalid_certificates"] = True
-    elif isinstance(verify, str) and config["endpoint"].startswith("https://"):
+        found["allow_invalid_certificates"] = True
+    elif isinstance(verify, str) and endpoint.startswith("https://"):
         try:
             with open(verify, "rb") as f:  # (added to the system's roots; botocore trusts the bundle alone)
-                client_options["root_certificate"] = f.read()
+                found["root_certificate"] = f.read()
         except OSError as exc:
             raise _Declined(f"CA bundle {verify!r}: {exc}") from exc
-    _RUNTIME[:] = _RUNTIME or [os.getpid()]
-    return S3Store(config=config, client_options=client_options, retry_config={"max_retries": 0},  # type: ignore[arg-type]
-                   credential_provider=provider)
+    return found
 
 
 def _one(options: dict[str, Any], client_kwargs: dict[str, Any], name: str, boto_name: str) -> Any:
