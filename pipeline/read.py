@@ -131,6 +131,47 @@ class ProcessReaders:
         return {**self.__dict__, "pid": None, "readers": [], "opened": None}
 
 
+class _Spans:
+    """The spans of one shard's samples asked for together (`SampleReads._read_spans`): `read` reads one
+    (in a thread of its own) and sets the future of each sample once all its ranges arrived; a span
+    that fails fails each of its samples, by its own key, with the span's error."""
+
+    def __init__(self, reader: ShardReader, info: ShardInfo, url: str,
+                 wanted: list[tuple[ShardInfo, str, list[tuple[int, int, Members | None]]]],
+                 items: list[tuple[int, int, tuple[int, int, Members | None]]], futures: list[concurrent.futures.Future],
+                 downloads: bool) -> None:
+        """`wanted`: each sample's (shard, key, ranges); `items`: (sample, range number, range) of each range."""
+        self.reader, self.info, self.url, self.downloads = reader, info, url, downloads
+        self.wanted, self.items, self.futures = wanted, items, futures
+        self.pieces: list[list[Any]] = [[None] * len(ranges) for _, _, ranges in wanted]
+        self.left = [len(ranges) for _, _, ranges in wanted]  # ranges still to come of each sample (-1: failed)
+        self.lock = threading.Lock()
+
+    def read(self, first: int, last: int, members: list[int]) -> None:
+        """Read bytes [first, last), the ranges `members` (numbers in `items`)."""
+        info, items = self.info, self.items
+        try:
+            data = memoryview(self.reader.read(info.name, info.bytes, info.sha256, first, last, None, self.downloads))
+        except Exception as exc:
+            for i in dict.fromkeys(items[m][0] for m in members):
+                with self.lock:
+                    first_failure, self.left[i] = self.left[i] >= 0, -1  # (its other spans then set nothing)
+                if first_failure:
+                    error = ShardError(self.url, f"sample {self.wanted[i][1]!r}: "
+                                       f"{exc.message if isinstance(exc, ShardError) else describe(exc)}")
+                    error.__cause__ = exc
+                    self.futures[i].set_exception(error)
+            return
+        for m in members:
+            i, j, (start, end, group) = items[m]
+            self.pieces[i][j] = (start, data[start - first : end - first], group)
+            with self.lock:
+                self.left[i] -= 1
+                done = self.left[i] == 0
+            if done:
+                self.futures[i].set_result(self.pieces[i])
+
+
 class SampleReads:
     """One iteration's reads: each sample's bytes asked for once (`ahead`), in `read_threads` threads,
     with its shard's size checked beside the first one; `take` waits for a sample and opens it (the
@@ -256,36 +297,10 @@ class SampleReads:
                 future.set_exception(exc)
                 wanted.append((None, "", []))  # type: ignore[arg-type]
             items += [(i, j, r) for j, r in enumerate(wanted[-1][2])]
-        pieces: list[list[Any]] = [[None] * len(ranges) for _, _, ranges in wanted]
-        left = [len(ranges) for _, _, ranges in wanted]
-        lock = threading.Lock()
-        reader, url = self.readers[wheres[0][0]], shard_url(self.sources[wheres[0][0]].root, info.name)
-
-        def read(first: int, last: int, members: list[int]) -> None:
-            samples = list(dict.fromkeys(items[m][0] for m in members))
-            try:
-                data = memoryview(reader.read(info.name, info.bytes, info.sha256, first, last, None, self.downloads))
-            except Exception as exc:
-                for i in samples:
-                    with lock:
-                        first_failure, left[i] = left[i] >= 0, -1  # (its other spans then set nothing)
-                    if first_failure:
-                        error = ShardError(url, f"sample {wanted[i][1]!r}: "
-                                           f"{exc.message if isinstance(exc, ShardError) else describe(exc)}")
-                        error.__cause__ = exc
-                        futures[i].set_exception(error)
-                return
-            for m in members:
-                i, j, (start, end, group) = items[m]
-                pieces[i][j] = (start, data[start - first : end - first], group)
-                with lock:
-                    left[i] -= 1
-                    done = left[i] == 0
-                if done:
-                    futures[i].set_result(pieces[i])
-
+        spans = _Spans(self.readers[wheres[0][0]], info, shard_url(self.sources[wheres[0][0]].root, info.name),
+                       wanted, items, futures, self.downloads)
         for first, last, members in merge_spans([r[:2] for _, _, r in items], self.amplification):
-            self.pool.submit(read, first, last, members)
+            self.pool.submit(spans.read, first, last, members)
 
     def take(self, where: Where) -> tuple[Any, str, str]:
         """(the opened sample, its shard's URL, its key); a sample of several units is opened once and

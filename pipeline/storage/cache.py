@@ -148,8 +148,8 @@ class Mismatch(ShardError):
 
 def _create(path: str) -> int:
     """A new empty file at `path`, locked while open (which marks the download live: see
-    `ShardCache._room`; let go by `locks.close`); its descriptor. Call it under the cache's lock:
-    between its open and its lock, another process's `_room` would take the file for a dead one's."""
+    `_make_room`; let go by `locks.close`); its descriptor. Call it under the cache's lock:
+    between its open and its lock, another process's `_make_room` would take the file for a dead one's."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         locks.lock(fd)
@@ -223,7 +223,7 @@ class ShardCache:
             write_bytes(LocalFileSystem(), path + ".ok", stamp.encode())
             return path
         log.warning("%s: cached copy %s has SHA-256 %s, not %s; fetching it again", url, path, digest, sha256)
-        self._remove(path)
+        _remove(path)
         return None
 
     def fetch(self, url: str, size: int, sha256: str, read: Callable[[int, int], Iterator[bytes | memoryview]], *,
@@ -266,7 +266,7 @@ class ShardCache:
                     self._mismatch(url, sha256, f"the object is {actual} bytes, the manifest says {size}")
                 if failed is not None:
                     raise failed
-                self._room(fd, size, url)
+                _make_room(self, fd, size, url)
                 digest = _Download(url, fd, arrived, pieces, read, itertools.chain(arriving, stream)).run(parallel)
                 if digest != sha256:  # (recorded before the download's files go: its readers then see it)
                     self._mismatch(url, sha256, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
@@ -347,7 +347,7 @@ class ShardCache:
                 fd = _create(partial)
             try:
                 try:
-                    self._room(fd, len(data), path)
+                    _make_room(self, fd, len(data), path)
                 except CacheFull:
                     return data
                 os.pwrite(fd, data, 0)
@@ -359,51 +359,53 @@ class ShardCache:
                 locks.close(fd)
         return data
 
-    def _remove(self, path: str) -> None:
-        for name in (path, path + ".ok"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)  # a reader holding it open keeps reading it
-
     def locked(self) -> contextlib.AbstractContextManager[None]:
         """The cache's lock: while it is held, the shards and downloads in the directory do not
         change, but for removals (reservations, evictions and downloads renamed into place take it)."""
         return _locked(os.path.join(self.directory, ".cache.lock"))
 
-    def _room(self, fd: int, size: int, url: str) -> None:
-        """Reserve `size` bytes for the download open at `fd` (see the class). Raises CacheFull if the
-        downloads in progress leave no room."""
-        with self.locked():
-            entries, downloading = [], 0
-            for name in os.listdir(self.directory):
-                where = os.path.join(self.directory, name)
-                with contextlib.suppress(FileNotFoundError):
-                    if name.endswith((".tar", ".idx", ".json")):
-                        stat = os.stat(where)
-                        entries.append((stat.st_atime_ns, name, stat.st_size))
-                    elif any(f"{ext}.partial-" in name for ext in (".tar", ".idx", ".json")):  # (not .ok stamps')
-                        downloading += self._live_download(where)
-            held = downloading + sum(e[2] for e in entries)
-            for _, name, bytes_ in sorted(entries):
-                if held + size <= self.limit:
-                    break
-                self._remove(os.path.join(self.directory, name))
-                held -= bytes_
-                log.debug("evicted %s (%d bytes) from the cache", name, bytes_)
-            if held + size > self.limit:
-                raise CacheFull(f"{url}: not cached this time: downloads in progress hold {downloading} of the "
-                                 f"cache's {self.limit} bytes")
-            _allocate(fd, size)
 
-    @staticmethod
-    def _live_download(path: str) -> int:
-        """The bytes a download in progress holds; a killed process's (its lock is free) is removed."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if not locks.lock(fd, wait=False):
-                return os.fstat(fd).st_size
-            os.unlink(path)
-            log.debug("removed %s, the download of a process that ended", path)
-            return 0
-        finally:
-            locks.close(fd)
+def _remove(path: str) -> None:
+    """Remove a cached file and its check stamp (a reader holding it open keeps reading it)."""
+    for name in (path, path + ".ok"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
 
+
+def _make_room(cache: ShardCache, fd: int, size: int, url: str) -> None:
+    """Reserve `size` bytes for the download open at `fd` (see `ShardCache`), evicting the least
+    recently used shards. Raises CacheFull if the downloads in progress leave no room."""
+    with cache.locked():
+        entries, downloading = [], 0
+        for name in os.listdir(cache.directory):
+            where = os.path.join(cache.directory, name)
+            with contextlib.suppress(FileNotFoundError):
+                if name.endswith((".tar", ".idx", ".json")):
+                    stat = os.stat(where)
+                    entries.append((stat.st_atime_ns, name, stat.st_size))
+                elif any(f"{ext}.partial-" in name for ext in (".tar", ".idx", ".json")):  # (not .ok stamps')
+                    downloading += _live_download(where)
+        held = downloading + sum(e[2] for e in entries)
+        for _, name, bytes_ in sorted(entries):
+            if held + size <= cache.limit:
+                break
+            _remove(os.path.join(cache.directory, name))
+            held -= bytes_
+            log.debug("evicted %s (%d bytes) from the cache", name, bytes_)
+        if held + size > cache.limit:
+            raise CacheFull(f"{url}: not cached this time: downloads in progress hold {downloading} of the "
+                            f"cache's {cache.limit} bytes")
+        _allocate(fd, size)
+
+
+def _live_download(path: str) -> int:
+    """The bytes a download in progress holds; a killed process's (its lock is free) is removed."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if not locks.lock(fd, wait=False):
+            return os.fstat(fd).st_size
+        os.unlink(path)
+        log.debug("removed %s, the download of a process that ended", path)
+        return 0
+    finally:
+        locks.close(fd)

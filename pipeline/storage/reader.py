@@ -31,6 +31,71 @@ log = logging.getLogger("pipeline.storage")
 DOWNLOADS = 8  # shards a process downloads into the cache at once
 
 
+class _Hashed:
+    """verify="sha256": local shards' SHA-256 checked against the manifest's, once per file as it is
+    now for all the processes reading: `table` has a row per shard (inode, size, mtime of the file
+    checked; an int64 array shared between the processes), `names` the shards' names."""
+
+    def __init__(self, table: Any, names: Sequence[str]) -> None:
+        self.table, self.names = table, names
+        self.rows: dict[str, int] | None = None  # shard name -> row of `table` (made when first needed)
+
+    def check(self, name: str, path: str, url: str, sha256: str, size: int) -> None:
+        """Check a local shard's SHA-256 against the manifest's, unless the shared table says the file
+        as it is now (inode, size, mtime) was checked: by one process at a time (a lock on the shard,
+        so that the others wait for its answer instead of hashing it again; never held by a process
+        forked meanwhile: `locks`). Only a regular file of the manifest's size is read, and no further."""
+        if self.rows is None:
+            self.rows = {n: i for i, n in enumerate(self.names)}
+        row = self.table[self.rows[name]]
+
+        def checked() -> bool:
+            stat = os.stat(path)
+            return row.tolist() == [stat.st_ino, stat.st_size, stat.st_mtime_ns]
+
+        if checked():
+            return
+        fd = open_regular(path, url, size)
+        try:
+            with contextlib.suppress(OSError):  # (no lock where the filesystem has none: hash it here too)
+                locks.lock(fd)
+            if checked():
+                return
+            stat = os.fstat(fd)
+            digest, left = hashlib.sha256(), size
+            while left and (block := os.read(fd, min(left, 1 << 22))):
+                digest.update(block)
+                left -= len(block)
+            if digest.hexdigest() != sha256:
+                raise ShardError(url, f"content has SHA-256 {digest.hexdigest()}, the manifest says {sha256}: the "
+                                 "shard was changed since it was packed, or the manifest was edited (verify='sha256')")
+            row[:] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            log.debug("%s: SHA-256 checked", url)
+        finally:
+            locks.close(fd)  # (and the lock)
+
+
+def _read_mapped(mapped: MappedFiles, verified: _Hashed | None, name: str, path: str, url: str, size: int, sha256: str,
+                 start: int, end: int, key: str | None) -> memoryview:
+    """Bytes [start, end) of a local shard, a view of the file mapped in memory (its SHA-256 checked
+    first where `verified`)."""
+    try:
+        if verified is not None:
+            verified.check(name, path, url, sha256, size)
+        data = mapped.read(path, url, start, end)
+    except FileNotFoundError as exc:
+        raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+    except (OSError, ValueError) as exc:
+        raise ShardError(url, f"sample {key!r}: cannot read the shard: {describe(exc)}") from exc
+    if len(data) < end - start:
+        actual: int | str = "now fewer"
+        with contextlib.suppress(OSError):
+            actual = os.stat(path).st_size
+        raise ShardError(url, f"sample {key!r}: shard is {actual} bytes, shorter than the sample's range "
+                         f"({start}-{end})")
+    return data
+
+
 class ShardReader:
     """Reads samples of one dataset's shards by byte range, with retries, from storage or the cache.
 
@@ -64,8 +129,7 @@ class ShardReader:
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.mapped = MappedFiles(root)  # local shards, in place or cached
-        self._verified = verified
-        self._index: dict[str, int] | None = None  # shard name -> row of `verified`
+        self._verified = None if verified is None else _Hashed(*verified)
         self._storage_options = storage_options
         self._places: dict[str, tuple[fsspec.AbstractFileSystem, str, str, Ranged]] = {}
         self._client: tuple[Any, str] | None = None  # (ranged client, path) of the dataset's folder
@@ -153,21 +217,7 @@ class ShardReader:
                 return data
             self._refuse_mismatched(name, url, sha256, key)  # (its download may have failed meanwhile)
         elif is_local(fs):
-            try:
-                if self._verified is not None:
-                    self._verify(name, path, url, sha256, size)
-                data = self.mapped.read(path, url, start, end)
-            except FileNotFoundError as exc:
-                raise ShardError(url, f"sample {key!r}: shard is missing") from exc
-            except (OSError, ValueError) as exc:
-                raise ShardError(url, f"sample {key!r}: cannot read the shard: {describe(exc)}") from exc
-            if len(data) < end - start:
-                actual: int | str = "now fewer"
-                with contextlib.suppress(OSError):
-                    actual = os.stat(path).st_size
-                raise ShardError(url, f"sample {key!r}: shard is {actual} bytes, shorter than the sample's range "
-                                 f"({start}-{end})")
-            return data
+            return _read_mapped(self.mapped, self._verified, name, path, url, size, sha256, start, end, key)
         if self._verified is not None:  # (an archive indexed in place, on object storage under a local dataset)
             raise ShardError(url, f"sample {key!r}: verify='sha256' checks shards on local disk; this one is on object "
                              "storage (`shard-pack verify` checks it)")
@@ -190,41 +240,6 @@ class ShardReader:
         found = self._mismatched.get(name) or self.cache.failed(sha256)
         if found is not None:
             raise ShardError(url, f"sample {key!r}: {found}" if key is not None else found)
-
-    def _verify(self, name: str, path: str, url: str, sha256: str, size: int) -> None:
-        """Check a local shard's SHA-256 against the manifest's, unless the shared table says the file
-        as it is now (inode, size, mtime) was checked: by one process at a time (a lock on the shard,
-        so that the others wait for its answer instead of hashing it again; never held by a process
-        forked meanwhile: `locks`). Only a regular file of the manifest's size is read, and no further."""
-        table, names = self._verified  # type: ignore[misc]
-        if self._index is None:
-            self._index = {n: i for i, n in enumerate(names)}
-        row = table[self._index[name]]
-
-        def checked() -> bool:
-            stat = os.stat(path)
-            return row.tolist() == [stat.st_ino, stat.st_size, stat.st_mtime_ns]
-
-        if checked():
-            return
-        fd = open_regular(path, url, size)
-        try:
-            with contextlib.suppress(OSError):  # (no lock where the filesystem has none: hash it here too)
-                locks.lock(fd)
-            if checked():
-                return
-            stat = os.fstat(fd)
-            digest, left = hashlib.sha256(), size
-            while left and (block := os.read(fd, min(left, 1 << 22))):
-                digest.update(block)
-                left -= len(block)
-            if digest.hexdigest() != sha256:
-                raise ShardError(url, f"content has SHA-256 {digest.hexdigest()}, the manifest says {sha256}: the "
-                                 "shard was changed since it was packed, or the manifest was edited (verify='sha256')")
-            row[:] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-            log.debug("%s: SHA-256 checked", url)
-        finally:
-            locks.close(fd)  # (and the lock)
 
     def start_downloads(self) -> None:
         """Start the downloads of the shards read while not to `download` (the first batch's)."""
