@@ -77,36 +77,88 @@ def _split_file(text: str) -> tuple[str, str]:
     return name.strip(), file.strip()
 
 
+# -- flags several subcommands share, each set defined once as a parent parser ----------------------
+
+def _quiet(default: Any = argparse.SUPPRESS, text: str = "no progress bar or lines") -> argparse.ArgumentParser:
+    """`-q`, before the subcommand (default False) or after it (SUPPRESS: a -q given before stays set)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("-q", "--quiet", action="store_true", default=default, help=text)
+    return parser
+
+
+def _storage() -> argparse.ArgumentParser:
+    """`--storage-options`: every subcommand that reads a dataset or archives by URL."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--storage-options", type=_storage_options, metavar="JSON", help="fsspec's options for "
+                        """the URLs read, as make_stream_loader's storage_options: a JSON object, e.g. '{"client_kwargs": """
+                        """{"endpoint_url": "https://s3.example.com"}}', or @FILE holding one (credentials stay off """
+                        "the command line); default: the environment's (AWS_*)")
+    return parser
+
+
+def _allow() -> argparse.ArgumentParser:
+    """`--allow-root`: every subcommand that reads a dataset's shards."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--allow-root", dest="allowed_roots", action="append", default=[], metavar="ROOT",
+                        help="a folder or URL outside the dataset's folder that its manifest may name (archives "
+                        "indexed in place elsewhere; make_stream_loader's allowed_roots); repeat for several")
+    return parser
+
+
+def _shards(items: str, data: str = "input") -> argparse.ArgumentParser:
+    """`--shard-samples`, `--shard-bytes`: when a shard is full (every packing subcommand)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--shard-samples", type=int, default=1000, help=f"at most this many {items} per shard (1000)")
+    parser.add_argument("--shard-bytes", type=_size, default="1GiB", help=f"at most this much {data} per shard (1GiB)")
+    return parser
+
+
+def _fractions(how: str = "") -> argparse.ArgumentParser:
+    """`--split`: split fractions by key hash (`sa1b`, `index`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--split", default="train=1", help=f"split fractions by key hash{how}, e.g. train=0.99,val=0.01")
+    return parser
+
+
+def _images(max_side: str) -> argparse.ArgumentParser:
+    """`--image-max-side`, `--jpeg-quality`: re-encoding images (`sa1b`, `vqa`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--image-max-side", type=int, help=max_side)
+    parser.add_argument("--jpeg-quality", type=int, default=90, help="quality of re-encoded JPEGs (90)")
+    return parser
+
+
+_DASK = "run the shard tasks on a Dask cluster (see sa1b)"
+
+
+def _workers(what: str = "processes", skipped: str | None = "input samples", dask: str = _DASK) -> argparse.ArgumentParser:
+    """`--workers`, `--max-skipped` (where `skipped` names the inputs), `--dask`: where the work runs,
+    and how many bad inputs end it (packing and `index`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help=f"{what} (all cores)")
+    if skipped:
+        parser.add_argument("--max-skipped", type=int, default=10, help=f"fail when more {skipped} are bad (10)")
+    parser.add_argument("--dask", metavar="ADDRESS", help=dask)
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shard-pack", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines")
-    quiet = argparse.ArgumentParser(add_help=False)  # -q after the subcommand too (SUPPRESS: not unset if before)
-    quiet.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bar or lines")
-    storage = argparse.ArgumentParser(add_help=False)  # every subcommand that reads a dataset or archives by URL
-    storage.add_argument("--storage-options", type=_storage_options, metavar="JSON", help="fsspec's options for "
-                         """the URLs read, as make_stream_loader's storage_options: a JSON object, e.g. '{"client_kwargs": """
-                         """{"endpoint_url": "https://s3.example.com"}}', or @FILE holding one (credentials stay off """
-                         "the command line); default: the environment's (AWS_*)")
-    allow = argparse.ArgumentParser(add_help=False)  # every subcommand that reads a dataset's shards
-    allow.add_argument("--allow-root", dest="allowed_roots", action="append", default=[], metavar="ROOT",
-                       help="a folder or URL outside the dataset's folder that its manifest may name (archives indexed "
-                       "in place elsewhere; make_stream_loader's allowed_roots); repeat for several")
+    parser = argparse.ArgumentParser(prog="shard-pack", description=__doc__.split("\n\n")[0],
+                                     parents=[_quiet(False, "no progress bar or progress lines")])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("sa1b", parents=[quiet], help="pack SA-1B (.tar archives and/or folders of sa_<id>.jpg + sa_<id>.json)")
+    p = sub.add_parser("sa1b", parents=[_quiet(), _shards("samples"), _fractions(),
+                                        _images("re-encode larger JPEGs to this long side (masks stay exact)"),
+                                        _workers(dask="run the shard tasks on a Dask cluster: tcp://scheduler:8786, or "
+                                                 "local:N for a local cluster of N workers (needs the dask extra)")],
+                       help="pack SA-1B (.tar archives and/or folders of sa_<id>.jpg + sa_<id>.json)")
     p.add_argument("sources", nargs="+", metavar="SRC", help="SA-1B .tar archives or folders")
     p.add_argument("out", metavar="OUT", help="output folder (new or empty, or an interrupted pack of the same input)")
-    p.add_argument("--shard-samples", type=int, default=1000, help="at most this many samples per shard (1000)")
-    p.add_argument("--shard-bytes", type=_size, default="1GiB", help="at most this much input per shard (1GiB)")
-    p.add_argument("--split", default="train=1", help="split fractions by key hash, e.g. train=0.99,val=0.01")
-    p.add_argument("--image-max-side", type=int, help="re-encode larger JPEGs to this long side (masks stay exact)")
-    p.add_argument("--jpeg-quality", type=int, default=90, help="quality of re-encoded JPEGs (90)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
-    p.add_argument("--max-skipped", type=int, default=10, help="fail when more input samples are bad (10)")
-    p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster: tcp://scheduler:8786, "
-                   "or local:N for a local cluster of N workers (needs the dask extra)")
 
-    p = sub.add_parser("vqa", parents=[quiet], help="pack a VQA collection: question/answer files per split + an image folder")
+    p = sub.add_parser("vqa", parents=[_quiet(), _images("re-encode larger images to this long side (JPEG stays JPEG, "
+                                                         "PNG stays lossless)"),
+                                       _shards("images"), _workers(skipped="records or images")],
+                       help="pack a VQA collection: question/answer files per split + an image folder")
     p.add_argument("out", metavar="OUT", help="output folder (new or empty, or an interrupted pack of the same input)")
     p.add_argument("--images", required=True, metavar="ROOT", help="folder (or URL) the records' image paths are in")
     p.add_argument("--split", dest="splits", action="append", required=True, type=_split_file, metavar="NAME=FILE",
@@ -118,16 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--answer-key", help="... the answer")
     p.add_argument("--shared-images", choices=["skip", "keep"], default="skip", help="an image in several splits: "
                    "skip its questions in the later splits as leakage (default), or keep it in each")
-    p.add_argument("--image-max-side", type=int, help="re-encode larger images to this long side (JPEG stays JPEG, "
-                   "PNG stays lossless)")
-    p.add_argument("--jpeg-quality", type=int, default=90, help="quality of re-encoded JPEGs (90)")
-    p.add_argument("--shard-samples", type=int, default=1000, help="at most this many images per shard (1000)")
-    p.add_argument("--shard-bytes", type=_size, default="1GiB", help="at most this much input per shard (1GiB)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
-    p.add_argument("--max-skipped", type=int, default=10, help="fail when more records or images are bad (10)")
-    p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
 
-    p = sub.add_parser("embeddings", parents=[quiet], help="pack a folder of row-aligned arrays (.npy/.safetensors) described by a schema",
+    p = sub.add_parser("embeddings", parents=[_quiet(), _shards("blocks", "data"), _workers(skipped=None)],
+                       help="pack a folder of row-aligned arrays (.npy/.safetensors) described by a schema",
                        description="Check every array against the schema (lengths, NaN/Inf, declared ranges, "
                        "references, splits), then pack blocks of rows; nothing is written if a check fails. Schema: "
                        '{"fields": {"name": {"file": "name.npy", "tensor": "(in .safetensors)", "range": [low, high], '
@@ -136,20 +181,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output folder (new or empty, or an interrupted pack of the same input)")
     p.add_argument("--schema", metavar="FILE", help=f"schema file (default: DIR/{SCHEMA_NAME})")
     p.add_argument("--rows-per-block", type=int, help="rows per block (default: a power of two, blocks of at most 4 MiB)")
-    p.add_argument("--shard-samples", type=int, default=1000, help="at most this many blocks per shard (1000)")
-    p.add_argument("--shard-bytes", type=_size, default="1GiB", help="at most this much data per shard (1GiB)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (all cores)")
-    p.add_argument("--dask", metavar="ADDRESS", help="run the shard tasks on a Dask cluster (see sa1b)")
 
-    _index_parser(sub, quiet, storage)
+    _index_parser(sub)
 
-    for name, text, parents in (("inspect", "print a dataset's manifest summary", [storage]),
+    for name, text, parents in (("inspect", "print a dataset's manifest summary", [_storage()]),
                                 ("verify", "check every shard's checksum and index, and decode every sample",
-                                 [quiet, storage, allow]),
+                                 [_quiet(), _storage(), _allow()]),
                                 ("upgrade", "write the shard indexes and manifest of the current schema for an older "
-                                 "dataset, in place (no shard is rewritten; safe to run again)", [quiet, storage])):
+                                 "dataset, in place (no shard is rewritten; safe to run again)", [_quiet(), _storage()])):
         sub.add_parser(name, parents=parents, help=text).add_argument("out", metavar="OUT", help="dataset folder or URL")
-    _reading_parsers(sub, quiet, storage, allow)
+    _reading_parsers(sub)
     return parser
 
 
@@ -172,8 +213,7 @@ def _int_or_none(text: str) -> int | None:
 _KIND_OPTIONS = ("image_size", "mask_size", "max_masks", "per", "fields")
 
 
-def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser,
-                     storage: argparse.ArgumentParser, allow: argparse.ArgumentParser) -> None:
+def _reading_parsers(sub: argparse._SubParsersAction) -> None:
     kind = argparse.ArgumentParser(add_help=False)  # the loader's kind options; only those given are passed
     group = kind.add_argument_group("kind options (as make_stream_loader's; default: the loader's)")
     group.add_argument("--image-size", type=_int_or_none, default=argparse.SUPPRESS, help="SA-1B, VQA (VQA: none = as stored)")
@@ -183,7 +223,7 @@ def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentPa
     group.add_argument("--fields", type=lambda t: tuple(t.split(",")), default=argparse.SUPPRESS,
                        help="embeddings: the fields to read, e.g. question_emb,relevance")
 
-    p = sub.add_parser("tune", parents=[quiet, storage, allow, kind], help="measure the loader on this dataset and machine across "
+    p = sub.add_parser("tune", parents=[_quiet(), _storage(), _allow(), kind], help="measure the loader on this dataset and machine across "
                        "num_workers (prefetch_factor, read_ahead) and recommend settings",
                        description="Run each setting in a subprocess of its own; print samples/s, CPU per sample, "
                        "peak memory of the process tree and time to the first batch per setting, and recommend, among "
@@ -201,7 +241,7 @@ def _reading_parsers(sub: argparse._SubParsersAction, quiet: argparse.ArgumentPa
     p.add_argument("--plot", metavar="FILE.png", help="draw samples/s and CPU per sample against num_workers")
     p.add_argument("--json", metavar="FILE", help="write the rows and the recommendation as JSON")
 
-    p = sub.add_parser("preview", parents=[storage, allow, kind], help="draw a split's first decoded samples as the loader yields them "
+    p = sub.add_parser("preview", parents=[_storage(), _allow(), kind], help="draw a split's first decoded samples as the loader yields them "
                        "(SA-1B: masks and boxes over the image; VQA: question and answer; embeddings: field statistics)")
     p.add_argument("out", metavar="OUT", help="dataset folder or URL")
     p.add_argument("--split", required=True)
@@ -236,22 +276,19 @@ def _run_reading(args: argparse.Namespace) -> None:
 
 # -- index: original archives, in place ------------------------------------------------------------
 
-def _index_parser(sub: argparse._SubParsersAction, quiet: argparse.ArgumentParser,
-                  storage: argparse.ArgumentParser) -> None:
+def _index_parser(sub: argparse._SubParsersAction) -> None:
     """`shard-pack index sa1b|webdataset SRC... OUT`."""
     p = sub.add_parser("index", help="index original archives in place (SA-1B as Meta ships it, or any WebDataset "
                        "tars): OUT gets index files and a manifest, never a copy of the data")
     kinds = p.add_subparsers(dest="index_kind", required=True)
     for kind, text in (("sa1b", "SA-1B .tar archives (sa_<id>.jpg + sa_<id>.json), every pair checked as packing does"),
                        ("webdataset", "any WebDataset tars (members grouped by key, as webdataset does)")):
-        k = kinds.add_parser(kind, parents=[quiet, storage], help=text)
+        k = kinds.add_parser(kind, help=text, parents=[
+            _quiet(), _storage(), _fractions(", as packing"),
+            _workers("processes scanning archives", dask="scan the archives on a Dask cluster, one task each: "
+                     "tcp://scheduler:8786, or local:N (see sa1b); the workers must reach the archives")])
         k.add_argument("sources", nargs="+", metavar="SRC", help=".tar archives or folders of them (local or URLs)")
         k.add_argument("out", metavar="OUT", help="dataset folder: the archives may sit in it (named relative to it)")
-        k.add_argument("--split", default="train=1", help="split fractions by key hash, as packing, e.g. train=0.99,val=0.01")
-        k.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes scanning archives (all cores)")
-        k.add_argument("--max-skipped", type=int, default=10, help="fail when more input samples are bad (10)")
-        k.add_argument("--dask", metavar="ADDRESS", help="scan the archives on a Dask cluster, one task each: "
-                       "tcp://scheduler:8786, or local:N (see sa1b); the workers must reach the archives")
 
 
 def _index(args: argparse.Namespace) -> None:
