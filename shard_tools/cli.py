@@ -38,7 +38,7 @@ from shard_tools.tune import WITHIN, TuneError, default_workers, plot, tune
 from shard_tools.verify import describe, upgrade, verify
 from shard_tools.vqa import LAYOUTS, VqaSource, pack_vqa
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "EXITS", "Command", "main"]
 
 log = logging.getLogger("shard-pack")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -433,27 +433,31 @@ def _logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+_KEPT = "; the finished shards are kept: fix that, then run the same command again"
+
+# What each error means to the caller (the module's docstring): the first entry whose classes match
+# gives the exit code and the line logged. An error none matches is a bug: it ends in a traceback.
+EXITS: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], int, Callable[[BaseException], str]], ...] = (
+    ((TooManySkipped, InputError), 1, str),
+    ((ShardstreamError, ValueError, FileNotFoundError), 2, str),  # PackError among them; ValueError: a flag's check
+    (TuneError, 3, str),
+    (BrokenProcessPool, 3, lambda exc: "a packing worker process died (killed, or out of memory?)" + _KEPT),
+    (OSError, 3, lambda exc: f"{exc}{_KEPT}"),
+    (KeyboardInterrupt, 130, lambda exc: str(exc) or "interrupted"),  # Interrupted (pack, index) says how far they got
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _logging()
     try:
         return COMMANDS[args.command].run(args)
-    except (TooManySkipped, InputError) as exc:
-        log.error("shard-pack: %s", exc)
-        return 1
-    except (ShardstreamError, ValueError, FileNotFoundError) as exc:  # PackError among them
-        log.error("shard-pack: %s", exc)
-        return 2
-    except TuneError as exc:
-        log.error("shard-pack: %s", exc)
-        return 3
-    except (OSError, BrokenProcessPool) as exc:
-        what = "a packing worker process died (killed, or out of memory?)" if isinstance(exc, BrokenProcessPool) else exc
-        log.error("shard-pack: %s; the finished shards are kept: fix that, then run the same command again", what)
-        return 3
-    except KeyboardInterrupt as exc:  # (Interrupted, from pack and index, says how far they got)
-        log.error("shard-pack: %s", str(exc) or "interrupted")
-        return 130
+    except (Exception, KeyboardInterrupt) as exc:
+        for kinds, code, message in EXITS:
+            if isinstance(exc, kinds):
+                log.error("shard-pack: %s", message(exc))
+                return code
+        raise
 
 
 if __name__ == "__main__":
