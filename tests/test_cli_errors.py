@@ -21,15 +21,18 @@ import tarfile
 import termios
 import time
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import pytest
 
-from shard_tools.cli import main
+from pipeline.errors import InputError, PackError, TooManySkipped
+from shard_tools.cli import COMMANDS, main
 from shard_tools.pack import Interrupted, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.sample_data import write_sa1b
 from shard_tools.sample_vqa import write_vqa
+from shard_tools.tune import TuneError
 
 REPO = str(pathlib.Path(__file__).resolve().parent.parent)
 _ENV = {**os.environ, "PYTHONPATH": REPO}
@@ -156,6 +159,35 @@ def test_a_refused_run_keeps_an_interrupted_packs_state(sa1b_src, sa1b_dataset, 
     assert main(["-q", "sa1b", str(sa1b_src), str(out)]) == 2, "other options: refused"
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before, "the resumable state is kept"
     assert pack(Sa1bSource(), [str(sa1b_src)], str(out), options, progress=False).reused == 1
+
+
+@pytest.mark.parametrize("error, code, line", [
+    (TooManySkipped("too many"), 1, "shard-pack: too many"),
+    (InputError("in.json", "not valid JSON"), 1, "shard-pack: in.json: not valid JSON"),
+    (PackError("busy"), 2, "shard-pack: busy"),
+    (ValueError("bad flag"), 2, "shard-pack: bad flag"),
+    (FileNotFoundError(2, "No such file or directory", "x"), 2, "shard-pack: [Errno 2] No such file or directory: 'x'"),
+    (TuneError("measuring failed"), 3, "shard-pack: measuring failed"),
+    (OSError(28, "No space left on device"), 3, "shard-pack: [Errno 28] No space left on device; the finished shards "
+     "are kept: fix that, then run the same command again"),
+    (BrokenProcessPool(), 3, "shard-pack: a packing worker process died (killed, or out of memory?); the finished "
+     "shards are kept: fix that, then run the same command again"),
+    (KeyboardInterrupt(), 130, "shard-pack: interrupted"),
+], ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else None)
+def test_each_error_class_has_its_exit_code_and_one_line(error, code, line, monkeypatch, caplog, tmp_path):
+    def fail(args):
+        raise error
+    monkeypatch.setitem(COMMANDS, "inspect", dataclasses.replace(COMMANDS["inspect"], run=fail))
+    assert main(["inspect", str(tmp_path)]) == code
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [line]
+
+
+def test_an_error_no_entry_names_is_raised_as_it_is(monkeypatch, tmp_path):
+    def fail(args):
+        raise RuntimeError("a bug")
+    monkeypatch.setitem(COMMANDS, "inspect", dataclasses.replace(COMMANDS["inspect"], run=fail))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["inspect", str(tmp_path)])
 
 
 # -- Ctrl-C, as a terminal sends it, and progress on a terminal ---------------------------------
