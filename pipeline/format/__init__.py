@@ -37,16 +37,25 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
-import re
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgpack
 import numpy as np
 
-from pipeline.errors import ManifestError, ShardIndexError, excerpt
+from pipeline.errors import ManifestError, ShardIndexError
+from pipeline.format.members import (
+    EMB_DATA, EMB_ROW, EMB_TABLE, KIND_NAMES, SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, VQA_IMAGE_EXTS,
+    VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, WEBDATASET,
+)
+from pipeline.format.names import (
+    _EXT_RE, _INDEX_RE, _KEY_BYTES, _SHA_RE, _SHARD_RE, _shard_name_ok, check_ext, check_key, check_shard_name, shard_name,
+)
+from pipeline.format.records import (
+    BFLOAT16, COLUMN_ALIGN, COLUMN_DTYPES, column_offsets, decode_array, encode_array, pack_columns, pack_record,
+    storage_dtype, unpack_columns, unpack_record,
+)
+from pipeline.format.safejson import MAX_JSON_BYTES, MAX_JSON_DEPTH, parse_json
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -102,75 +111,6 @@ ORIGINS = ("packed", "indexed")  # shards written by `shard-pack`, or original a
 FORMAT = "shardstream"
 MANIFEST_NAME = "manifest.json"
 
-# Member extensions of one sample, per kind, in the order they are written.
-SA1B_JPG = "jpg"
-SA1B_ANN = "msgpack"
-SA1B_JSON = "json"  # an original SA-1B sample (indexed in place) holds `jpg` + `json`, as Meta ships it
-# VQA: one image member, `jpg` or `png` as the original file is (never re-encoded but with
-# --image-max-side), then the record.
-VQA_IMAGE_EXTS = {"JPEG": "jpg", "PNG": "png"}  # Pillow format -> member extension
-VQA_RECORD = "msgpack"
-# Embeddings: a block of rows, its column table then the columns' bytes.
-EMB_TABLE = "msgpack"
-EMB_DATA = "bin"
-WEBDATASET = "webdataset"  # any WebDataset tars indexed in place: members grouped by key, decoded by the user
-KIND_NAMES = ("sa1b", "vqa", "embeddings", WEBDATASET)  # the kinds a manifest may name (pipeline.kinds.KINDS holds their code)
-
-# The SA-1B annotation record (msgpack map). Geometry is in the original image frame
-# (`image.width` x `image.height`), whatever size the stored JPEG has (`stored_size`).
-SA1B_RECORD_FIELDS = (
-    "image",  # {"image_id": int, "width": int, "height": int, "file_name": str}
-    "stored_size",  # [height, width] of the stored JPEG
-    "counts",  # list of bytes: COCO compressed RLE strings, one per mask, size = [height, width]
-    "ids",  # int64 (N,)
-    "bbox",  # float64 (N, 4) XYWH
-    "area",  # float64 (N,)
-    "predicted_iou",  # float64 (N,)
-    "stability_score",  # float64 (N,)
-    "point_coords",  # float64 (P, 2): all masks' points, concatenated
-    "point_counts",  # uint32 (N,): points per mask
-    "crop_box",  # float64 (N, 4) XYWH
-)
-
-# The VQA record (msgpack map): one image of one split and all the questions of that split about it.
-VQA_RECORD_FIELDS = (
-    "image",  # {"path", "width", "height", "format", "mode", "sha256"}: the input file (path relative to --images)
-    "stored_size",  # [height, width] of the stored image (smaller than the original with --image-max-side)
-    "split",  # the split it was packed into
-    "questions",  # list, one map per question (VQA_QUESTION_FIELDS), in input order
-)
-VQA_IMAGE_FIELDS = ("path", "width", "height", "format", "mode", "sha256")
-VQA_QUESTION_FIELDS = (
-    "question",  # str, as asked (LLaVA: the human turn without its <image> token)
-    "answer",  # str (JSON numbers and booleans as JSON text)
-    "source",  # the annotation file, as given to the packer
-    "record",  # index of the record in that file
-    "turn",  # index of the question among the record's (LLaVA conversations: one per human/gpt pair; else 0)
-    "layout",  # "vqa-rad", "slake", "llava" or "mapped"
-    "fields",  # the original JSON record, every field as it was
-)
-# Embeddings blocks. The table (msgpack map) is {"rows": n, "columns": [[name, dtype, shape, offset], ...]}:
-# shape starts with n, dtype is one of COLUMN_DTYPES, and each column's bytes start at `offset` in
-# the data member: the first at 0, each next one at the first multiple of COLUMN_ALIGN after the
-# one before (zero padding), the data ending with the last column. Nothing else is accepted.
-EMB_ROW = "row"  # the column holding each row's index in the packed input arrays (int64)
-BFLOAT16 = "bfloat16"  # numpy has no bfloat16: stored as its little-endian 16-bit patterns, read as torch.bfloat16
-COLUMN_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                 "float16", BFLOAT16, "float32", "float64")
-COLUMN_ALIGN = 64
-_COLUMN_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
-
-_KEY_RE = re.compile(r"[A-Za-z0-9_\-]{1,80}")
-_KEY_BYTES = np.zeros(256, dtype=bool)
-_KEY_BYTES[np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-", np.uint8)] = True
-_SHA_RE = re.compile(r"[0-9a-f]{64}")
-_SHARD_RE = re.compile(r"[A-Za-z0-9_\-]+\.tar")
-# An archive indexed in place: relative to the manifest's folder, an absolute path, or a URL.
-_RELATIVE_RE = re.compile(r"(?:[A-Za-z0-9_\-][A-Za-z0-9_.\-]*/)*[A-Za-z0-9_\-][A-Za-z0-9_.\-]*\.tar")
-_ABSOLUTE_RE = re.compile(r"(?:/|[a-z][a-z0-9+.\-]*://[^/\x00-\x1f\x7f]+/)[^\x00-\x1f\x7f\\]*\.tar")
-_INDEX_RE = re.compile(r"[A-Za-z0-9_\-]+\.idx")
-_EXT_RE = re.compile(r"[a-z0-9]+(\.[a-z0-9]+)*")
-
 # The shard index file (`ShardIndex.to_bytes`), little-endian: a header (magic, version, flags 0,
 # samples n, members m, key bytes, extension-table bytes, the shard's bytes, units), then
 # spans u64[n, 2], member header offsets u64[m], member sizes u64[m], units u32[n], key ends
@@ -187,130 +127,6 @@ BLOCK_BYTES = 512  # a tar block
 
 def _padded(size: int) -> int:
     return size + (-size % BLOCK_BYTES)
-_ARRAY_DTYPES = frozenset({"|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8", "|b1"})
-
-
-def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:06d}.tar"
-
-
-def check_key(key: str) -> str:
-    """Keys are flat names (letters, digits, `_`, `-`; at most 80): safe in tar, URLs and file systems."""
-    if not _KEY_RE.fullmatch(key):
-        raise ValueError(f"invalid sample key {key!r}: allowed are 1-80 of [A-Za-z0-9_-]")
-    return key
-
-
-def check_ext(ext: str) -> str:
-    """Member extensions are lowercase letters and digits, in parts joined by dots (`jpg`, `seg.png`)."""
-    if not _EXT_RE.fullmatch(ext):
-        raise ValueError(f"invalid member extension {ext!r}: want lowercase letters and digits, joined by dots")
-    return ext
-
-
-def encode_array(array: np.ndarray) -> dict[str, Any]:
-    """A numpy array as a plain msgpack map (dtype, shape, little-endian bytes): no pickle, no ext types."""
-    array = np.ascontiguousarray(array)
-    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-    if dtype.str not in _ARRAY_DTYPES:
-        raise ValueError(f"dtype {array.dtype} cannot be stored; allowed: {sorted(_ARRAY_DTYPES)}")
-    return {"dtype": dtype.str, "shape": list(array.shape), "data": array.astype(dtype, copy=False).tobytes()}
-
-
-def decode_array(obj: Any) -> np.ndarray:
-    """Inverse of `encode_array`; raises ValueError on anything that is not exactly such a map."""
-    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
-        raise ValueError("not an encoded array (want a map with dtype, shape, data)")
-    dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
-    if dtype not in _ARRAY_DTYPES:
-        raise ValueError(f"array dtype {dtype!r} not allowed")
-    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
-        raise ValueError(f"invalid array shape {shape!r}")
-    if not isinstance(data, bytes) or len(data) != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
-        raise ValueError(f"array data does not match dtype {dtype} and shape {shape}")
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
-
-
-def storage_dtype(name: str) -> np.dtype:
-    """The little-endian numpy dtype holding a column dtype's values (bfloat16: its uint16 bit patterns)."""
-    if name not in COLUMN_DTYPES:
-        raise ValueError(f"column dtype {name!r} not allowed; allowed: {list(COLUMN_DTYPES)}")
-    return _STORAGE_DTYPES[name]
-
-
-_STORAGE_DTYPES = {name: np.dtype("<u2" if name == BFLOAT16 else name).newbyteorder("<") for name in COLUMN_DTYPES}
-
-
-def column_offsets(columns: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], int]:
-    """(offset of each column, end of the last) for (name, dtype, shape) columns laid out as a block's data
-    member is (the embeddings table comment above): what packing writes and what batches in transit use."""
-    offsets, end = [], 0
-    for _, dtype, shape in columns:
-        start = -(-end // COLUMN_ALIGN) * COLUMN_ALIGN
-        offsets.append(start)
-        end = start + math.prod(shape) * storage_dtype(dtype).itemsize  # exact: no int64 overflow
-    return offsets, end
-
-
-def pack_columns(columns: Sequence[tuple[str, str, np.ndarray]]) -> tuple[bytes, bytes]:
-    """(table, data) members of a block from (name, dtype, array) columns of equal length; a bfloat16
-    column is given as its uint16 bit patterns."""
-    n = len(columns[0][2]) if columns else 0
-    layout = [(name, dtype, tuple(array.shape)) for name, dtype, array in columns]
-    for name, dtype, array in columns:
-        if not _COLUMN_NAME_RE.fullmatch(name) or array.ndim < 1 or len(array) != n:
-            raise ValueError(f"column {name!r}: want a name like a Python identifier and {n} rows, got {array.shape}")
-        if array.dtype.newbyteorder("<") != storage_dtype(dtype):
-            raise ValueError(f"column {name!r}: array of {array.dtype} given for dtype {dtype}")
-    offsets, end = column_offsets(layout)
-    data = bytearray(end)
-    for (_, dtype, array), offset in zip(columns, offsets):
-        raw = np.ascontiguousarray(array, dtype=storage_dtype(dtype)).tobytes()
-        data[offset : offset + len(raw)] = raw
-    table = {"rows": n, "columns": [[name, dtype, list(shape), offset] for (name, dtype, shape), offset in zip(layout, offsets)]}
-    return pack_record(table), bytes(data)
-
-
-def unpack_columns(table: bytes, data: bytes) -> dict[str, tuple[str, np.ndarray]]:
-    """{name: (dtype, read-only view into `data`)} of a block; ValueError on anything `pack_columns`
-    would not have written (unknown dtypes, lengths that disagree, offsets off the layout, extra bytes)."""
-    obj = unpack_record(table)
-    if set(obj) != {"rows", "columns"} or type(obj["rows"]) is not int or not isinstance(obj["columns"], list):
-        raise ValueError("not a column table (want a map with rows and columns)")
-    n, layout, given = obj["rows"], [], []
-    for column in obj["columns"]:
-        if not (isinstance(column, list) and len(column) == 4 and isinstance(column[0], str)
-                and _COLUMN_NAME_RE.fullmatch(column[0]) and column[1] in COLUMN_DTYPES
-                and isinstance(column[2], list) and column[2][:1] == [n]
-                and all(type(d) is int and d >= 0 for d in column[2]) and type(column[3]) is int):
-            raise ValueError(f"invalid column entry {excerpt(repr(column))}")
-        layout.append((column[0], column[1], tuple(column[2])))
-        given.append(column[3])
-    if len({name for name, _, _ in layout}) != len(layout):
-        raise ValueError("duplicate column names")
-    offsets, end = column_offsets(layout)
-    if given != offsets or len(data) != end:
-        raise ValueError(f"column offsets {given} and {len(data)} data bytes, expected {offsets} and {end}")
-    return {
-        name: (dtype, np.frombuffer(data, storage_dtype(dtype), math.prod(shape), offset).reshape(shape))
-        for (name, dtype, shape), offset in zip(layout, offsets)
-    }
-
-
-def pack_record(record: Mapping[str, Any]) -> bytes:
-    return msgpack.packb(record, use_bin_type=True)
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise ValueError(f"msgpack extension type {code} is not allowed")
-
-
-def unpack_record(data: bytes) -> dict[str, Any]:
-    """Unpack a msgpack map; every length is bounded by the input size and extension types are refused."""
-    obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)  # lengths capped at len(data)
-    if not isinstance(obj, dict):
-        raise ValueError(f"record is a {type(obj).__name__}, want a map")
-    return obj
 
 
 class ShardIndex:
@@ -452,6 +268,7 @@ class ShardIndex:
                    np.asarray(units if units is not None else [1] * len(keys), dtype=np.int64))
 
 
+
 @dataclasses.dataclass(frozen=True)
 class IndexInfo:
     """A shard's index file, as the manifest lists it."""
@@ -548,27 +365,6 @@ class Split(Sequence[ShardInfo]):
             raise ManifestError(url, f"split {name!r} says {obj.get('samples')} samples and {obj.get('units')} units, "
                                 f"its shards hold {split.samples} and {split.units}")
         return split
-
-
-
-
-def check_shard_name(name: str, origin: str) -> str:
-    """A shard name a manifest of `origin` may hold, else ValueError: packed shards are flat names in
-    the dataset's folder; an archive indexed in place is a `.tar` path relative to it (no `.` or `..`
-    component) or an absolute path or URL (none either), without control characters."""
-    if not _shard_name_ok(name, origin):
-        raise ValueError(f"shard name {name!r} is not allowed in a {origin} dataset: want " +
-                         ("<letters, digits, _ ->.tar" if origin == "packed" else
-                          "a .tar path relative to the dataset folder, an absolute path or a URL, no . or .. parts"))
-    return name
-
-
-def _shard_name_ok(name: str, origin: str) -> bool:
-    if origin == "packed":
-        return _SHARD_RE.fullmatch(name) is not None
-    if _RELATIVE_RE.fullmatch(name):
-        return True
-    return _ABSOLUTE_RE.fullmatch(name) is not None and not any(p in (".", "..") for p in name.split("/"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -680,35 +476,3 @@ def index_name(shard: str) -> str:
     """The index file of a shard this project packs: `train-000000.tar` -> `train-000000.idx`."""
     return shard.removesuffix(".tar") + INDEX_EXT
 
-
-MAX_JSON_BYTES = 64 << 20  # JSON members parsed by the reader (SA-1B's largest annotation files: ~10 MB)
-MAX_JSON_DEPTH = 32  # nesting of arrays and objects (SA-1B's: 5)
-
-
-def parse_json(data: bytes | memoryview, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse untrusted JSON within a size and a nesting limit, both checked before parsing (so nesting
-    never reaches Python's recursion limit); ValueError on anything else, or on JSON that is not valid."""
-    if len(data) > max_bytes:
-        raise ValueError(f"{len(data)} bytes of JSON, more than the limit of {max_bytes}")
-    data = bytes(data)
-    if _depth(data) > max_depth:
-        raise ValueError(f"JSON nested deeper than {max_depth} levels")
-    return json.loads(data)
-
-
-def _depth(data: bytes) -> int:
-    """The deepest nesting of arrays and objects, brackets inside strings left out (as valid JSON
-    delimits them: a quote after an odd run of backslashes is escaped). Vectorised: ~0.3 ms for
-    SA-1B's 250 kB annotation files, where `json.loads` takes ~0.7 ms."""
-    array = np.frombuffer(data, np.uint8)
-    quotes = np.flatnonzero(array == 34)
-    after_slash = quotes[(quotes > 0) & (array[quotes - 1] == 92)].tolist()  # (rare: the string's end is a backslash)
-    escaped = [q for q in after_slash if (q - len(data[:q].rstrip(b"\\"))) % 2]
-    if escaped:
-        quotes = np.setdiff1d(quotes, escaped)
-    brackets = np.flatnonzero(array & 0xD9 == 0x59)  # `[]{}`, and `Y_y` and DEL, dropped next
-    brackets = brackets[array[brackets] & 0x5F != 0x5F]
-    brackets = brackets[array[brackets] & 0x5F != 0x59]
-    outside = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # (an even count of quotes before: not in a string)
-    opening = (array[outside] == 91) | (array[outside] == 123)
-    return int(np.cumsum(np.where(opening, 1, -1)).max(initial=0))
