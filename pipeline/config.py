@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pipeline.checks import is_int_at_least
 from pipeline.plan import shuffle_name
 from pipeline.storage import Retry
 from pipeline.storage.places import check_roots
@@ -22,7 +23,7 @@ DATALOADER_SETTINGS = ("num_workers", "device", "pin_memory", "prefetch_factor",
 
 
 def _at_least(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    if not is_int_at_least(value, low):
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
@@ -78,7 +79,7 @@ class LoaderConfig:
                           ("unit_cache_bytes", 0), ("read_ahead", 0), ("read_threads", 1),
                           ("index_cache_bytes", 0), ("read_ahead_bytes", 0)):
             _at_least(name, getattr(self, name), low)
-        if not isinstance(self.prefetch_factor, int) or isinstance(self.prefetch_factor, bool) or self.prefetch_factor < 1:
+        if not is_int_at_least(self.prefetch_factor, 1):
             raise ValueError("prefetch_factor must be an int >= 1 (batches each worker prepares ahead), "
                              f"got {self.prefetch_factor!r}")
         shuffle_name(self.shuffle)
@@ -91,7 +92,7 @@ class LoaderConfig:
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
         budget = self.max_errors
-        if not (budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0)
+        if not (budget is None or is_int_at_least(budget, 0)
                 or (isinstance(budget, float) and 0 < budget < 1)):
             raise ValueError(f"max_errors must be None, an int >= 0 or a fraction in (0, 1), got {budget!r}")
         if (self.cache_dir is None) != (self.cache_limit is None):

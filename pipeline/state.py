@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pipeline.checks import is_int_at_least
 from pipeline.format import Manifest
 from pipeline.plan import Resume
 
@@ -48,7 +49,7 @@ class EpochState:
     def set_epoch(self, epoch: int) -> bool:
         """Play `epoch` from its beginning next, unless it is the current one (which keeps a
         resumption point); whether it changed."""
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        if not is_int_at_least(epoch, 0):
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         if epoch == self.epoch:
             return False

@@ -18,6 +18,7 @@ import tarfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 
+from pipeline.checks import is_int_at_least
 from pipeline.errors import ShardError, excerpt
 from pipeline.format import check_key
 
@@ -44,7 +45,7 @@ class ReadLimits:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int_at_least(value, 1):
                 raise ValueError(f"{field.name} must be a positive int, got {value!r}")
 
 

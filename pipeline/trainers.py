@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
+from pipeline.checks import is_int_at_least
 from pipeline.loader import make_stream_dataset
 from pipeline.tario import ReadLimits
 
@@ -23,7 +24,7 @@ __all__ = ["trainer_dataset", "trl_dataset"]
 
 
 def _positive(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int_at_least(value, 1):
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
 
@@ -36,7 +37,7 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None:
         rank = dist.get_rank() if initialised else 0
     _positive("world_size", world_size)
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+    if not (is_int_at_least(rank, 0) and rank < world_size):
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     return rank, world_size
 

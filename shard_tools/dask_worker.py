@@ -1,4 +1,4 @@
-"""Preloaded into the worker processes of a `local:N` Dask cluster (`shard_tools.pack.dask_tasks`):
+"""Preloaded into the worker processes of a `local:N` Dask cluster (`shard_tools.runners.dask_tasks`):
 they ignore Ctrl-C, as the local pool's workers do. A terminal sends it to every process of its
 group; the process that made the cluster handles it and stops the tasks."""
 

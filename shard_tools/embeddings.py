@@ -30,7 +30,7 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -215,92 +215,14 @@ class EmbeddingsSource:
         if rows_per_block is not None and (type(rows_per_block) is not int or rows_per_block < 1):
             raise ValueError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
         root = os.path.abspath(root)
-        schema_path = schema or os.path.join(root, SCHEMA_NAME)
-        if not os.path.isdir(root):
-            raise InputError(root, "not a folder")
-        try:
-            with open(schema_path, "rb") as f:
-                spec = json.loads(f.read())
-        except FileNotFoundError as exc:
-            raise InputError(schema_path, "no schema file: write one (see `shard-pack embeddings --help`) or pass "
-                             "--schema") from exc
-        except ValueError as exc:
-            raise InputError(schema_path, f"not valid JSON: {exc}") from exc
-        if not isinstance(spec, dict) or not isinstance(spec.get("fields"), dict) or not spec["fields"]:
-            raise InputError(schema_path, "want a JSON object with a non-empty \"fields\" object")
-        unknown = sorted(set(spec) - _SCHEMA_KEYS)
-        if unknown:
-            raise InputError(schema_path, f"unknown key(s) {unknown}; allowed: {sorted(_SCHEMA_KEYS)}")
-
-        def path(file: str) -> str:
-            return os.path.join(root, file)
-
-        entries, arrays, stamps = [], {}, {}
-        for name, entry in spec["fields"].items():
-            where = f"field {name!r}"
-            if not name.isidentifier() or name == EMB_ROW or len(name) > 64:
-                raise InputError(schema_path, f"{where}: names are identifiers of at most 64 characters, not {EMB_ROW!r}")
-            if not isinstance(entry, dict):
-                raise InputError(schema_path, f"{where}: want an object with \"file\", got {entry!r}"[:300])
-            unknown = sorted(set(entry) - _FIELD_KEYS)
-            if unknown:
-                raise InputError(schema_path, f"{where}: unknown key(s) {unknown}; allowed: {sorted(_FIELD_KEYS)}")
-            file, tensor = _array_ref({k: entry[k] for k in _ARRAY_KEYS if k in entry}, schema_path, where)
-            rng = entry.get("range")
-            if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(map(_number, rng)) and rng[0] <= rng[1]):
-                raise InputError(schema_path, f"{where}: range must be [low, high] (finite numbers, low <= high), got {rng!r}")
-            stamps[name] = _stamp(path(file)) if os.path.isfile(path(file)) else (0, 0, 0)
-            arrays[name] = open_array(path(file), tensor, file)
-            entries.append((name, file, tensor, rng, entry.get("index_into")))
-
-        lengths = {name: len(array) if array.ndim else -1 for name, (array, _) in arrays.items()}
-        if any(n < 0 for n in lengths.values()):
-            raise InputError(schema_path, f"fields must be arrays with a row axis; scalars: "
-                             f"{[n for n, m in lengths.items() if m < 0]}")
-        if len(set(lengths.values())) != 1:
-            listing = ", ".join(f"{e[1]} ({e[0]}): {lengths[e[0]]}" for e in entries)
-            raise InputError(schema_path, f"fields disagree on their number of rows: {listing}")
-        rows = next(iter(lengths.values()))
-        if rows == 0:
-            raise InputError(schema_path, "the arrays have no rows")
-
-        fields, problems = [], []
-        for name, file, tensor, rng, index_into in entries:
-            array, dtype = arrays[name]
-            bound = None
-            if index_into is not None:
-                if dtype not in _INTEGERS:
-                    raise InputError(file, f"field {name!r} has \"index_into\" but dtype {dtype}; references are integers")
-                if type(index_into) is int and index_into >= 1:
-                    bound = index_into
-                else:
-                    table, table_tensor = _array_ref(index_into, schema_path, f"{name}.index_into")
-                    table_array = open_array(path(table), table_tensor, table)[0]
-                    bound = len(table_array) if table_array.ndim else 0
-                    if bound < 1:
-                        raise InputError(table, f"referenced by field {name!r}, but holds no rows")
-            field = Field(name, dtype, tuple(array.shape[1:]), None if rng is None else tuple(rng), bound)
-            problem = _check_values(array, field, file)
-            if problem is not None:
-                problems.append(problem)
-            fields.append(SourceField(field, file, tensor, sha256_file(path(file)), index_into, stamps[name]))
-
-        splits_spec = spec.get("splits")
-        splits, assigned = [], np.zeros(rows, dtype=np.bool_)
-        if splits_spec is not None and (not isinstance(splits_spec, dict) or not splits_spec):
-            raise InputError(schema_path, f"splits: want an object of split name -> index file, got {splits_spec!r}"[:300])
-        for name, value in (splits_spec or {}).items():
-            if not name.isidentifier() or len(name) > 40:
-                raise InputError(schema_path, f"split {name!r}: names are identifiers of at most 40 characters")
-            file, tensor = _array_ref(value, schema_path, f"split {name!r}")
-            stamp = _stamp(path(file)) if os.path.isfile(path(file)) else (0, 0, 0)
-            index, dtype = open_array(path(file), tensor, file)
-            if dtype not in _INTEGERS or index.ndim != 1:
-                raise InputError(file, f"split {name!r}: want a 1-D array of integer row indices, got {dtype}{list(index.shape)}")
-            problem = _check_split(np.asarray(index), name, file, rows, assigned)
-            if problem is not None:
-                problems.append(problem)
-            splits.append(SourceSplit(name, file, tensor, len(index), sha256_file(path(file)), stamp))
+        schema_path, spec = _read_schema(root, schema)
+        entries = [_open_field(root, schema_path, name, entry) for name, entry in spec["fields"].items()]
+        rows = _common_rows(entries, schema_path)
+        checked = [_checked_field(root, schema_path, entry) for entry in entries]
+        fields = [field for field, _ in checked]
+        problems = [problem for _, problem in checked if problem is not None]
+        splits, assigned, split_problems = _source_splits(root, schema_path, spec.get("splits"), rows)
+        problems += split_problems
         if problems:
             if len(problems) == 1:
                 raise problems[0]
@@ -308,13 +230,7 @@ class EmbeddingsSource:
                              + "\n  ".join(str(p) for p in problems)) from problems[0]
         if not splits:
             splits, assigned[:] = [SourceSplit("train", None, None, rows, None)], True
-
-        row_bytes = sum(math.prod(f.field.shape) * storage_dtype(f.field.dtype).itemsize for f in fields) + 8
-        if rows_per_block is None:
-            rows_per_block = min(MAX_BLOCK_ROWS, 1 << max(0, (BLOCK_BYTES // row_bytes).bit_length() - 1))
-        if rows_per_block * row_bytes > ReadLimits.max_member_bytes - 4096:
-            raise ValueError(f"rows_per_block={rows_per_block} makes blocks of {rows_per_block * row_bytes} bytes, more "
-                             f"than a reader accepts ({ReadLimits.max_member_bytes}); use fewer rows per block")
+        rows_per_block = _block_rows(fields, rows_per_block)
         unassigned = int(rows - assigned.sum())
         if unassigned:
             log.warning("%d of %d rows are in no split and are not packed", unassigned, rows)
@@ -371,6 +287,134 @@ class EmbeddingsSource:
             columns.append((f.field.name, dtype, np.asarray(values, dtype=storage_dtype(dtype))))
         table, data = pack_columns(columns)
         return [(EMB_TABLE, table), (EMB_DATA, data)], {"rows": len(rows)}
+
+
+def _read_schema(root: str, schema: str | None) -> tuple[str, dict[str, Any]]:
+    """(its path, the schema): a JSON object with a non-empty "fields" object and no unknown key."""
+    schema_path = schema or os.path.join(root, SCHEMA_NAME)
+    if not os.path.isdir(root):
+        raise InputError(root, "not a folder")
+    try:
+        with open(schema_path, "rb") as f:
+            spec = json.loads(f.read())
+    except FileNotFoundError as exc:
+        raise InputError(schema_path, "no schema file: write one (see `shard-pack embeddings --help`) or pass "
+                         "--schema") from exc
+    except ValueError as exc:
+        raise InputError(schema_path, f"not valid JSON: {exc}") from exc
+    if not isinstance(spec, dict) or not isinstance(spec.get("fields"), dict) or not spec["fields"]:
+        raise InputError(schema_path, "want a JSON object with a non-empty \"fields\" object")
+    unknown = sorted(set(spec) - _SCHEMA_KEYS)
+    if unknown:
+        raise InputError(schema_path, f"unknown key(s) {unknown}; allowed: {sorted(_SCHEMA_KEYS)}")
+    return schema_path, spec
+
+
+class _FieldEntry(NamedTuple):
+    """A field of the schema, its array opened (not yet checked)."""
+
+    name: str
+    file: str
+    tensor: str | None
+    value_range: list[float] | None
+    index_into: Any
+    array: np.ndarray
+    dtype: str
+    stamp: tuple[int, int, int]
+
+
+def _open_field(root: str, schema_path: str, name: str, entry: Any) -> _FieldEntry:
+    """Check one field's schema entry and open its array."""
+    where = f"field {name!r}"
+    if not name.isidentifier() or name == EMB_ROW or len(name) > 64:
+        raise InputError(schema_path, f"{where}: names are identifiers of at most 64 characters, not {EMB_ROW!r}")
+    if not isinstance(entry, dict):
+        raise InputError(schema_path, f"{where}: want an object with \"file\", got {entry!r}"[:300])
+    unknown = sorted(set(entry) - _FIELD_KEYS)
+    if unknown:
+        raise InputError(schema_path, f"{where}: unknown key(s) {unknown}; allowed: {sorted(_FIELD_KEYS)}")
+    file, tensor = _array_ref({k: entry[k] for k in _ARRAY_KEYS if k in entry}, schema_path, where)
+    rng = entry.get("range")
+    if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(map(_number, rng)) and rng[0] <= rng[1]):
+        raise InputError(schema_path, f"{where}: range must be [low, high] (finite numbers, low <= high), got {rng!r}")
+    path = os.path.join(root, file)
+    stamp = _stamp(path) if os.path.isfile(path) else (0, 0, 0)
+    array, dtype = open_array(path, tensor, file)
+    return _FieldEntry(name, file, tensor, rng, entry.get("index_into"), array, dtype, stamp)
+
+
+def _common_rows(entries: Sequence[_FieldEntry], schema_path: str) -> int:
+    """The number of rows every field's array has (at least one)."""
+    lengths = {e.name: len(e.array) if e.array.ndim else -1 for e in entries}
+    if any(n < 0 for n in lengths.values()):
+        raise InputError(schema_path, f"fields must be arrays with a row axis; scalars: "
+                         f"{[n for n, m in lengths.items() if m < 0]}")
+    if len(set(lengths.values())) != 1:
+        listing = ", ".join(f"{e.file} ({e.name}): {lengths[e.name]}" for e in entries)
+        raise InputError(schema_path, f"fields disagree on their number of rows: {listing}")
+    rows = next(iter(lengths.values()))
+    if rows == 0:
+        raise InputError(schema_path, "the arrays have no rows")
+    return rows
+
+
+def _reference_bound(root: str, schema_path: str, entry: _FieldEntry) -> int | None:
+    """The rows a field's values index into (its "index_into": a count, or a table's length), if any."""
+    if entry.index_into is None:
+        return None
+    if entry.dtype not in _INTEGERS:
+        raise InputError(entry.file, f"field {entry.name!r} has \"index_into\" but dtype {entry.dtype}; references are integers")
+    if type(entry.index_into) is int and entry.index_into >= 1:
+        return entry.index_into
+    table, table_tensor = _array_ref(entry.index_into, schema_path, f"{entry.name}.index_into")
+    table_array = open_array(os.path.join(root, table), table_tensor, table)[0]
+    bound = len(table_array) if table_array.ndim else 0
+    if bound < 1:
+        raise InputError(table, f"referenced by field {entry.name!r}, but holds no rows")
+    return bound
+
+
+def _checked_field(root: str, schema_path: str, entry: _FieldEntry) -> tuple[SourceField, RowError | None]:
+    """The field as packed, and the first of its values that breaks its limits, if any."""
+    bound = _reference_bound(root, schema_path, entry)
+    rng = entry.value_range
+    field = Field(entry.name, entry.dtype, tuple(entry.array.shape[1:]), None if rng is None else tuple(rng), bound)
+    problem = _check_values(entry.array, field, entry.file)
+    sha = sha256_file(os.path.join(root, entry.file))
+    return SourceField(field, entry.file, entry.tensor, sha, entry.index_into, entry.stamp), problem
+
+
+def _source_splits(root: str, schema_path: str, splits_spec: Any,
+                   rows: int) -> tuple[list[SourceSplit], np.ndarray, list[RowError]]:
+    """The schema's splits, the rows they assign, and the problems of their index files."""
+    splits, assigned, problems = [], np.zeros(rows, dtype=np.bool_), []
+    if splits_spec is not None and (not isinstance(splits_spec, dict) or not splits_spec):
+        raise InputError(schema_path, f"splits: want an object of split name -> index file, got {splits_spec!r}"[:300])
+    for name, value in (splits_spec or {}).items():
+        if not name.isidentifier() or len(name) > 40:
+            raise InputError(schema_path, f"split {name!r}: names are identifiers of at most 40 characters")
+        file, tensor = _array_ref(value, schema_path, f"split {name!r}")
+        path = os.path.join(root, file)
+        stamp = _stamp(path) if os.path.isfile(path) else (0, 0, 0)
+        index, dtype = open_array(path, tensor, file)
+        if dtype not in _INTEGERS or index.ndim != 1:
+            raise InputError(file, f"split {name!r}: want a 1-D array of integer row indices, got {dtype}{list(index.shape)}")
+        problem = _check_split(np.asarray(index), name, file, rows, assigned)
+        if problem is not None:
+            problems.append(problem)
+        splits.append(SourceSplit(name, file, tensor, len(index), sha256_file(path), stamp))
+    return splits, assigned, problems
+
+
+def _block_rows(fields: Sequence[SourceField], rows_per_block: int | None) -> int:
+    """Rows per block: as asked (if a reader accepts blocks that big), else a power of two near `BLOCK_BYTES`."""
+    row_bytes = sum(math.prod(f.field.shape) * storage_dtype(f.field.dtype).itemsize for f in fields) + 8
+    if rows_per_block is None:
+        rows_per_block = min(MAX_BLOCK_ROWS, 1 << max(0, (BLOCK_BYTES // row_bytes).bit_length() - 1))
+    if rows_per_block * row_bytes > ReadLimits.max_member_bytes - 4096:
+        raise ValueError(f"rows_per_block={rows_per_block} makes blocks of {rows_per_block * row_bytes} bytes, more "
+                         f"than a reader accepts ({ReadLimits.max_member_bytes}); use fewer rows per block")
+    return rows_per_block
 
 
 def _check_values(array: np.ndarray, field: Field, file: str) -> RowError | None:

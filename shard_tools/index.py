@@ -35,7 +35,8 @@ from pipeline.storage import filesystem, is_local, join, read_manifest, write_by
 from pipeline.storage.local import open_regular
 from pipeline.storage.places import within
 from pipeline.tario import BLOCK, ArchiveMember, ReadLimits, scan_archive
-from shard_tools.pack import Interrupted, PackOptions, Progress, dask_tasks, pool_tick, split_of, worker_pool
+from shard_tools.pack import Interrupted, PackOptions, Progress, split_of
+from shard_tools.runners import dask_tasks, pool_tick, worker_pool
 from shard_tools.sa1b import check_pair
 
 __all__ = ["IndexSummary", "index_archives", "index_sa1b", "index_webdataset"]
@@ -304,7 +305,7 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     files as it comes: memory grows with archives, and by 16 bytes a key (`SeenKeys`).
 
     `dask`: scan the archives on a Dask cluster (`tcp://host:8786`, or `local:N`), one task per
-    archive, as the packers run their shards (`shard_tools.pack.dask_tasks`); the output is the same
+    archive, as the packers run their shards (`shard_tools.runners.dask_tasks`); the output is the same
     bytes. The workers read the archives themselves, with `storage_options`: on a real cluster they
     must reach them (object storage, or a shared filesystem). Only the scans run there: this process
     writes the index files and the manifest."""

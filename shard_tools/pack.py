@@ -23,24 +23,21 @@ import glob
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import posixpath
-import signal
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from pipeline.errors import InputError, PackError, SampleError, ShardstreamError, TooManySkipped
+from pipeline.errors import InputError, PackError, SampleError, TooManySkipped
 from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name, shard_name
 from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import ShardWriter
+from shard_tools.runners import dask_tasks, exit_with_parent, pool_tick, worker_pool
 
 __all__ = [
     "Part", "SampleRef", "PackOptions", "PackSummary", "PackError", "Interrupted", "Progress", "TooManySkipped", "Source",
@@ -308,46 +305,24 @@ def pack(
     `on_shard(name)` is called after each shard is finished (the tests interrupt packs with it).
     """
     started = time.monotonic()
-    refs, skipped = source.index(sources)
-    if not refs:
-        first = f"; the first: {skipped[0]['reason']}" if skipped else ""
-        raise InputError(", ".join(sources), f"no {source.kind} samples to pack ({len(skipped)} inputs skipped{first})")
-    stored_options = {
-        "kind_options": source.options(),
-        "shard_samples": options.shard_samples,
-        "shard_bytes": options.shard_bytes,
-        "splits": None if options.splits is None else [list(s) for s in options.splits],
-    }
+    refs, skipped = _listed(source, sources)
+    stored_options = _stored_options(source, options)
     fingerprint = _fingerprint(source.kind, stored_options, refs)
     fs, base = filesystem(out)
-    state, manifest_path = join(base, STATE_DIR), join(base, MANIFEST_NAME)
-    if _exists(fs, manifest_path):
-        existing = Manifest.from_json(fs.cat_file(manifest_path), join(out, MANIFEST_NAME))
-        if existing.fingerprint != fingerprint:
-            raise PackError(f"{out} already holds a dataset packed from other inputs or options; use a new folder")
+    existing = _finished_pack(fs, base, out, fingerprint)
+    if existing is not None:
         return _summary(existing, time.monotonic() - started, complete=True)
     tasks = _plan(refs, options)
     made = _start(fs, base, out, fingerprint)
-
-    records: dict[str, dict[str, Any]] = {}
-    for task in tasks:
-        record_path = join(state, task.name + ".json")
-        if _exists(fs, record_path) and _exists(fs, join(base, task.name)) and _exists(fs, join(base, index_name(task.name))):
-            records[task.name] = json.loads(fs.cat_file(record_path))
+    records = _reusable_records(fs, base, tasks)
     reused, reused_samples = len(records), sum(r["shard"]["samples"] for r in records.values())
     todo = [t for t in tasks if t.name not in records]
     log.info("%d samples in %d shards to write (%d already done); %d inputs skipped while listing",
              sum(len(t.refs) for t in todo), len(todo), reused, len(skipped))
-    bar = Progress(sum(len(t.refs) for t in todo), progress)
     try:
-        with contextlib.closing(_execute(source, todo, out, options, bar)) as results:
-            for task, record in results:
-                records[task.name] = record
-                if on_shard is not None:
-                    on_shard(task.name)
+        records.update(_write_shards(source, todo, out, options, progress, on_shard))
     except KeyboardInterrupt as exc:
-        recorded = {posixpath.basename(p) for p in fs.ls(state, detail=False, refresh=True)}  # (every finished shard's)
-        done = sum(len(t.refs) for t in tasks if f"{t.name}.json" in recorded)
+        done = _samples_recorded(fs, base, tasks)
         if made is not None:
             _unstart(fs, base, made)
         raise Interrupted(f"interrupted after {done} of {len(refs)} samples; run the same command to resume") from exc
@@ -355,32 +330,111 @@ def pack(
         if made is not None:
             _unstart(fs, base, made)
         raise
-    finally:
-        bar.close()
-
-    all_skipped = sorted(skipped + [s for r in records.values() for s in r["skipped"]], key=lambda s: (s["key"], s["source"]))
-    if len(all_skipped) > options.max_skipped:
-        for s in all_skipped[:20]:
-            log.error("skipped %s", s["reason"])
-        raise TooManySkipped(
-            f"{len(all_skipped)} samples skipped, more than --max-skipped {options.max_skipped}; the shards are kept "
-            f"in {out} but no manifest was written (fix the input, or run again with a higher --max-skipped)"
-        )
+    all_skipped = _all_skipped(skipped, records, options, out)
     names = [n for n, _ in options.splits] if options.splits is not None else sorted({t.split for t in tasks})
     splits = {name: tuple(_shard_info(records[t.name]["shard"]) for t in tasks if t.split == name) for name in names}
     manifest = Manifest(source.kind, splits, stored_options, fingerprint, tuple(all_skipped))
-    write_bytes(fs, manifest_path, manifest.to_json())  # last: it lists only shards and indexes already in place
-    fs.rm(state, recursive=True)
+    _finish(fs, base, tasks, manifest)
+    return _summary(manifest, time.monotonic() - started, reused=reused, reused_samples=reused_samples,
+                    counts=_counts(records))
+
+
+def _listed(source: Source, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
+    """The source's samples and the inputs it skipped; InputError if there is no sample."""
+    refs, skipped = source.index(sources)
+    if not refs:
+        first = f"; the first: {skipped[0]['reason']}" if skipped else ""
+        raise InputError(", ".join(sources), f"no {source.kind} samples to pack ({len(skipped)} inputs skipped{first})")
+    return refs, skipped
+
+
+def _stored_options(source: Source, options: PackOptions) -> dict[str, Any]:
+    """The options the manifest records (and the fingerprint covers): those that change the shards."""
+    return {
+        "kind_options": source.options(),
+        "shard_samples": options.shard_samples,
+        "shard_bytes": options.shard_bytes,
+        "splits": None if options.splits is None else [list(s) for s in options.splits],
+    }
+
+
+def _finished_pack(fs: Any, base: str, out: str, fingerprint: str) -> Manifest | None:
+    """The manifest of the same pack when OUT already holds it; PackError when it holds another dataset."""
+    manifest_path = join(base, MANIFEST_NAME)
+    if not _exists(fs, manifest_path):
+        return None
+    existing = Manifest.from_json(fs.cat_file(manifest_path), join(out, MANIFEST_NAME))
+    if existing.fingerprint != fingerprint:
+        raise PackError(f"{out} already holds a dataset packed from other inputs or options; use a new folder")
+    return existing
+
+
+def _reusable_records(fs: Any, base: str, tasks: Sequence[_Task]) -> dict[str, dict[str, Any]]:
+    """The records of the tasks an earlier, interrupted run finished (shard and index in place)."""
+    state = join(base, STATE_DIR)
+    records: dict[str, dict[str, Any]] = {}
+    for task in tasks:
+        record_path = join(state, task.name + ".json")
+        if _exists(fs, record_path) and _exists(fs, join(base, task.name)) and _exists(fs, join(base, index_name(task.name))):
+            records[task.name] = json.loads(fs.cat_file(record_path))
+    return records
+
+
+def _write_shards(source: Source, todo: list[_Task], out: str, options: PackOptions, progress: bool,
+                  on_shard: Callable[[str], None] | None) -> dict[str, dict[str, Any]]:
+    """Run the tasks left to do, with a progress count of their samples: each task's record."""
+    records: dict[str, dict[str, Any]] = {}
+    bar = Progress(sum(len(t.refs) for t in todo), progress)
+    try:
+        with contextlib.closing(_execute(source, todo, out, options, bar)) as results:
+            for task, record in results:
+                records[task.name] = record
+                if on_shard is not None:
+                    on_shard(task.name)
+    finally:
+        bar.close()
+    return records
+
+
+def _samples_recorded(fs: Any, base: str, tasks: Sequence[_Task]) -> int:
+    """The samples of every shard finished so far (by this run or an earlier one): each left a record."""
+    recorded = {posixpath.basename(p) for p in fs.ls(join(base, STATE_DIR), detail=False, refresh=True)}
+    return sum(len(t.refs) for t in tasks if f"{t.name}.json" in recorded)
+
+
+def _all_skipped(listing: list[dict[str, str]], records: dict[str, dict[str, Any]], options: PackOptions,
+                 out: str) -> list[dict[str, str]]:
+    """Every sample skipped, while listing or writing, in key order; TooManySkipped past the limit."""
+    skipped = sorted(listing + [s for r in records.values() for s in r["skipped"]], key=lambda s: (s["key"], s["source"]))
+    if len(skipped) > options.max_skipped:
+        for s in skipped[:20]:
+            log.error("skipped %s", s["reason"])
+        raise TooManySkipped(
+            f"{len(skipped)} samples skipped, more than --max-skipped {options.max_skipped}; the shards are kept "
+            f"in {out} but no manifest was written (fix the input, or run again with a higher --max-skipped)"
+        )
+    return skipped
+
+
+def _finish(fs: Any, base: str, tasks: Sequence[_Task], manifest: Manifest) -> None:
+    """Write the manifest, last: it lists only shards and indexes already in place; then remove the
+    run's state and the debris of writers killed in an earlier run."""
+    write_bytes(fs, join(base, MANIFEST_NAME), manifest.to_json())
+    fs.rm(join(base, STATE_DIR), recursive=True)
     if is_local(fs):
-        for task in tasks:  # debris of writers killed in an earlier run
+        for task in tasks:
             for name in (task.name, index_name(task.name)):
                 for partial in glob.glob(glob.escape(join(base, name)) + ".partial-*"):
                     os.unlink(partial)
+
+
+def _counts(records: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """The kind's counts (samples, masks, ...) summed over the shards."""
     counts: dict[str, int] = {}
     for record in records.values():
         for name, value in record["counts"].items():
             counts[name] = counts.get(name, 0) + value
-    return _summary(manifest, time.monotonic() - started, reused=reused, reused_samples=reused_samples, counts=counts)
+    return counts
 
 
 def _holds_more_than_state(fs: Any, base: str) -> bool:
@@ -459,63 +513,6 @@ def _remove_debris(out: str) -> None:
                 os.unlink(partial)
 
 
-def exit_with_parent(parent: int) -> None:
-    """In a pool worker: end when the packing process does, even killed (else the worker would finish
-    its shard and the ones queued for it, then wait for work forever)."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.2)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="shard-pack-parent", daemon=True).start()
-
-
-class _Stopped(Exception):
-    """In a pool worker: the parent stopped the pool (Ctrl-C, or another task failed)."""
-
-
-_pool: dict[str, Any] = {}  # in a pool worker: the parent's count of items done and its stop flag
-
-
-def _init_worker(parent: int, done: Any, stop: Any) -> None:
-    """A pool worker ignores Ctrl-C (a terminal sends it to every process; the parent handles it and
-    stops the workers through `stop`) and ends with the parent."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    exit_with_parent(parent)
-    _pool.update(done=done, stop=stop)
-
-
-def pool_tick(n: int) -> None:
-    """In a `worker_pool` worker: `n` more items done (0: only the check); raises once the parent
-    stops the pool, so that the task ends early (a shard being written is removed)."""
-    if _pool["stop"].is_set():
-        raise _Stopped("stopped by the parent process")
-    if n:
-        with _pool["done"].get_lock():
-            _pool["done"].value += n
-
-
-@contextlib.contextmanager
-def worker_pool(workers: int, calls: Sequence[tuple[Any, ...]]) -> Iterator[tuple[list[concurrent.futures.Future[Any]], Any]]:
-    """Each call `(function, *args)` submitted to a pool of `workers` spawned processes: (the futures,
-    the shared count that `pool_tick` adds to). On leaving, running calls stop at their next tick,
-    queued ones are cancelled, and the workers are waited for. The workers ignore Ctrl-C from their
-    start (`_ctrl_c_ignored`), so that only this process handles it."""
-    context = multiprocessing.get_context("spawn")  # safe with threads (progress bar) and any library
-    done, stop, pool = context.Value("q", 0), context.Event(), None
-    try:
-        with _ctrl_c_ignored():
-            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                                          initargs=(os.getpid(), done, stop))
-            futures = [pool.submit(*call) for call in calls]  # (the workers start as the first calls are submitted)
-        yield futures, done
-    finally:
-        stop.set()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-
 def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions,
              bar: Progress) -> Iterator[tuple[_Task, dict[str, Any]]]:
     """Each task run and its record, as they finish; `bar` counts their samples as they are written."""
@@ -548,146 +545,3 @@ def _execute_dask(source: Source, tasks: list[_Task], out: str, options: PackOpt
     with contextlib.closing(dask_tasks(options.dask, calls, names, retries=options.task_retries)) as results:
         for position, record in results:
             yield tasks[position], record
-
-
-@dataclasses.dataclass(frozen=True)
-class _Refused:
-    """What a task on Dask returns instead of raising a data error (raised again by the client)."""
-
-    error: ShardstreamError
-
-
-def _dask_call(function: Callable[..., Any], *args: Any) -> Any:
-    """A task on Dask: `function(*args)`. A data error (ShardstreamError: a missing or bad input) is the
-    same on every try, so it is returned, not raised: Dask tries again only what may go another way."""
-    try:
-        return function(*args)
-    except ShardstreamError as exc:
-        return _Refused(exc)
-
-
-_dask_stops: dict[str, tuple[Any, float]] = {}  # in a Dask worker: each run's stop event, when last looked at
-
-
-@dataclasses.dataclass(frozen=True)
-class _DaskStop:
-    """The `tick` of a task on Dask, as `pool_tick` is in a pool: raises once the client has set the
-    run's stop event, looked at once a second at most (each look asks the scheduler)."""
-
-    event: str
-
-    def __call__(self, n: int) -> None:
-        event, looked = _dask_stops.get(self.event, (None, -1.0))
-        now = time.monotonic()
-        if looked >= 0 and now - looked < 1.0:
-            return
-        if event is None:
-            from distributed import Event
-
-            event = Event(self.event)
-        _dask_stops[self.event] = event, now
-        if event.is_set():
-            raise _Stopped("stopped by the client (Ctrl-C, or another task failed)")
-
-
-def _running(dask_worker: Any) -> int:
-    """On a Dask worker: how many tasks it runs now (cancelled ones included, until they stop)."""
-    return int(dask_worker.state.executing_count)
-
-
-@contextlib.contextmanager
-def _ctrl_c_ignored() -> Iterator[None]:
-    """Ctrl-C ignored while inside (when called in the main thread), so that the processes spawned
-    meanwhile ignore it from their first instruction: an ignored signal stays ignored across exec,
-    while a blocked one is unblocked and a handled one is reset by spawn (a worker that started to
-    import torch would die of it). A terminal sends Ctrl-C to every process of its group; the worker
-    processes leave it to this one. One pressed while inside is lost (blocking it here would not keep
-    it: a thread that does not block it, such as a native one, takes it): keep the inside short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextlib.contextmanager
-def _ctrl_c_noted() -> Iterator[threading.Event]:
-    """While inside: Ctrl-C sets the event instead of raising KeyboardInterrupt (in the main thread;
-    elsewhere signals do not arrive). On leaving, the old handler is back, and a Ctrl-C noted but not
-    acted on is raised (unless an exception is already on its way)."""
-    pressed = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield pressed
-        return
-    previous = signal.signal(signal.SIGINT, lambda *_: pressed.set())
-    try:
-        yield pressed
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pressed.is_set():
-        raise KeyboardInterrupt
-
-
-def dask_tasks(address: str, calls: Sequence[tuple[Any, ...]], names: Sequence[str], *,
-               retries: int = 2) -> Iterator[tuple[int, Any]]:
-    """Each call `(function, *args)` run as one task on the Dask cluster at `address` (`tcp://host:8786`,
-    or `local:N`: a cluster of N local worker processes, made here and closed on leaving), with a
-    `tick(n)` appended to its arguments as `worker_pool`'s calls end with `pool_tick`: (the call's
-    position, its result) as each finishes. The packers and `shard-pack index` both run on it.
-
-    A task that fails is tried again (`retries` more times), one whose worker died is rescheduled by
-    Dask; one that keeps failing raises PackError naming it (`names[position]`, e.g. "shard
-    train-000003.tar"). A data error a task raises (ShardstreamError) is not tried again and is raised
-    here as it is, as the local pool raises it. On leaving early (Ctrl-C, an error, the caller closing
-    the generator), the queued tasks are cancelled and the running ones stop at their next tick
-    (within a second). The local cluster's workers ignore Ctrl-C (`shard_tools.dask_worker`): this
-    process handles it, as with `worker_pool`, and only between distributed's calls: a KeyboardInterrupt
-    raised inside one of them makes distributed log a traceback of its own (`utils.sync`'s cancel)."""
-    try:
-        from distributed import Client, Event, LocalCluster, as_completed
-    except ImportError as exc:
-        raise PackError("--dask needs the dask extra: pip install 'shardstream[dask]'") from exc
-    run = f"shard-pack-{uuid.uuid4().hex[:12]}"
-    tick = _DaskStop(f"{run}-stop")
-    futures: dict[Any, int] = {}
-    with contextlib.ExitStack() as stack:
-        pressed = stack.enter_context(_ctrl_c_noted())
-        if address.startswith("local:"):
-            with _ctrl_c_ignored():  # (until its workers have started: they import torch before the preload)
-                cluster = stack.enter_context(LocalCluster(
-                    n_workers=int(address.removeprefix("local:")), threads_per_worker=1, processes=True,
-                    dashboard_address=None, preload=["shard_tools.dask_worker"]))
-                client = stack.enter_context(Client(cluster))
-        else:
-            client = stack.enter_context(Client(address))
-        try:
-            for position, (function, *args) in enumerate(calls):
-                futures[client.submit(_dask_call, function, *args, tick, key=f"{run}-{position}", retries=retries,
-                                      pure=False)] = position
-            finished = as_completed(futures)
-            while not finished.is_empty():
-                if pressed.is_set():
-                    raise KeyboardInterrupt
-                ready = finished.next_batch(block=False)
-                if not ready:
-                    time.sleep(0.05)
-                for future in ready:
-                    position = futures[future]
-                    try:
-                        result = future.result()
-                    except Exception as exc:
-                        raise PackError(f"{names[position]} failed on the Dask cluster after retries: {exc!r}") from exc
-                    if isinstance(result, _Refused):
-                        raise result.error
-                    yield position, result
-        finally:
-            if any(not future.done() for future in futures):
-                client.cancel(list(futures))
-                Event(tick.event, client=client).set()  # (after the cancel: a task it stops is not tried again)
-                if address.startswith("local:"):  # (closed while a task runs, a worker logs a warning per task)
-                    deadline = time.monotonic() + 10
-                    while any(client.run(_running).values()) and time.monotonic() < deadline:
-                        time.sleep(0.05)

@@ -177,6 +177,64 @@ def _load(file: str) -> list[Any]:
     return records
 
 
+def _questions(record: Any, layout: str,
+               mapped: tuple[str, str, str] | None) -> tuple[str, list[tuple[str, str, int]]]:
+    """(image path, [(question, answer, turn)]) of one record; _Bad says what is missing. `mapped`:
+    the (image, question, answer) keys of the mapped layout."""
+    if isinstance(record, _Bad):
+        raise record
+    if not isinstance(record, dict):
+        raise _Bad(f"a JSON {type(record).__name__}, not an object")
+    if layout == "mapped":
+        image, question, answer = mapped  # type: ignore[misc]
+    else:
+        image, question, answer = LAYOUTS[layout]  # type: ignore[misc]
+    path = _image_path(record.get(image))
+    if layout == "llava":
+        return path, _conversation(record.get("conversations"))
+    return path, [(_text(record.get(question), "question"), _text(record.get(answer), "answer"), 0)]
+
+
+@dataclasses.dataclass
+class _Listing:
+    """What the annotation files hold, read one after the other."""
+
+    questions: dict[tuple[str, str], list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # (split, image path) -> questions
+    places: dict[str, dict[str, list[str]]] = dataclasses.field(default_factory=dict)  # image path -> split -> "file record i (qid q)"
+    skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+    def add_file(self, split: str, file: str, layout: str | None, mapped: tuple[str, str, str] | None) -> None:
+        """Add one annotation file's questions (its layout detected when `layout` is None); a record
+        that does not fit is skipped; PackError when none fits."""
+        records = _load(file)
+        if not records:
+            raise InputError(file, "no records: nothing to pack")
+        layout = layout or detect_layout(records, file)
+        good, first_problem = 0, ""
+        for i, record in enumerate(records):
+            where = _where(file, i, record)
+            try:
+                path, pairs = _questions(record, layout, mapped)
+                pack_record(record)  # storable as msgpack (no 65-bit ints, no deep nesting)
+            except _Bad as exc:
+                self.skipped.append({"source": file, "key": f"{split}-record-{i}", "reason": f"{where}: {exc}"})
+                first_problem = first_problem or f"{where}: {exc}"
+                continue
+            except (OverflowError, ValueError, TypeError) as exc:
+                self.skipped.append({"source": file, "key": f"{split}-record-{i}",
+                                     "reason": f"{where}: cannot be stored: {exc}"})
+                continue
+            good += 1
+            self.places.setdefault(path, {}).setdefault(split, []).append(where)
+            self.questions.setdefault((split, path), []).extend(
+                {"question": q, "answer": a, "source": file, "record": i, "turn": turn, "layout": layout,
+                 "fields": record} for q, a, turn in pairs)
+        if not good:
+            raise PackError(f"{file}: none of its {len(records)} records fits layout {layout} (first: "
+                            f"{first_problem}); pass --layout, or --image-key/--question-key/--answer-key")
+        log.info("%s: layout %s, %d records, %d skipped", file, layout, len(records), len(records) - good)
+
+
 @dataclasses.dataclass(frozen=True)
 class VqaSource:
     """Question/answer files per split + an image folder -> VQA shard samples (see the module docstring).
@@ -246,78 +304,40 @@ class VqaSource:
 
     # -- listing ---------------------------------------------------------------------------------
 
-    def _questions(self, record: Any, layout: str) -> tuple[str, list[tuple[str, str, int]]]:
-        """(image path, [(question, answer, turn)]) of one record; _Bad says what is missing."""
-        if isinstance(record, _Bad):
-            raise record
-        if not isinstance(record, dict):
-            raise _Bad(f"a JSON {type(record).__name__}, not an object")
-        if layout == "mapped":
-            image, question, answer = self.image_key, self.question_key, self.answer_key
-        else:
-            image, question, answer = LAYOUTS[layout]  # type: ignore[misc]
-        path = _image_path(record.get(image))
-        if layout == "llava":
-            return path, _conversation(record.get("conversations"))
-        return path, [(_text(record.get(question), "question"), _text(record.get(answer), "answer"), 0)]
-
     def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
         """One reference per (split, image) with that split's questions about the image, and the
         records and images skipped. `sources` are the annotation files of `splits` (see `pack_vqa`)."""
         if list(sources) != self.files:
             raise ValueError(f"sources must be the annotation files of splits, {self.files}, got {list(sources)}")
-        skipped: list[dict[str, str]] = []
-        questions: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (split, image path) -> questions
-        places: dict[str, dict[str, list[str]]] = {}  # image path -> split -> "file record i (qid q)"
-        forced = "mapped" if self.image_key is not None else self.layout
-        order = {name: i for i, name in enumerate(dict.fromkeys(name for name, _ in self.splits))}
+        mapped = (self.image_key, self.question_key, self.answer_key) if self.image_key is not None else None
+        listing = _Listing()
         for split, file in self.splits:
-            records = _load(file)
-            if not records:
-                raise InputError(file, "no records: nothing to pack")
-            layout = forced or detect_layout(records, file)
-            good, first_problem = 0, ""
-            for i, record in enumerate(records):
-                where = _where(file, i, record)
-                try:
-                    path, pairs = self._questions(record, layout)
-                    pack_record(record)  # storable as msgpack (no 65-bit ints, no deep nesting)
-                except _Bad as exc:
-                    skipped.append({"source": file, "key": f"{split}-record-{i}", "reason": f"{where}: {exc}"})
-                    first_problem = first_problem or f"{where}: {exc}"
-                    continue
-                except (OverflowError, ValueError, TypeError) as exc:
-                    skipped.append({"source": file, "key": f"{split}-record-{i}",
-                                    "reason": f"{where}: cannot be stored: {exc}"})
-                    continue
-                good += 1
-                places.setdefault(path, {}).setdefault(split, []).append(where)
-                questions.setdefault((split, path), []).extend(
-                    {"question": q, "answer": a, "source": file, "record": i, "turn": turn, "layout": layout,
-                     "fields": record} for q, a, turn in pairs)
-            if not good:
-                raise PackError(f"{file}: none of its {len(records)} records fits layout {layout} (first: "
-                                f"{first_problem}); pass --layout, or --image-key/--question-key/--answer-key")
-            log.info("%s: layout %s, %d records, %d skipped", file, layout, len(records), len(records) - good)
+            listing.add_file(split, file, "mapped" if mapped else self.layout, mapped)
+        refs = self._references(listing)
+        return refs, listing.skipped
 
+    def _references(self, listing: _Listing) -> list[SampleRef]:
+        """A reference per (split, image) found under the image root; an image missing, or one of
+        an earlier split (unless `shared_images="keep"`), skips its questions."""
+        order = {name: i for i, name in enumerate(dict.fromkeys(name for name, _ in self.splits))}
         found = self._listing()
         refs: list[SampleRef] = []
         keys: dict[str, str] = {}
         leaked = 0
-        for path, by_split in places.items():
+        for path, by_split in listing.places.items():
             key = image_key(path)
             if keys.setdefault(key, path) != path:
                 raise PackError(f"images {keys[key]!r} and {path!r} have the same key {key!r}; rename one")
             splits = sorted(by_split, key=order.__getitem__)  # priority: the order of the splits
             for n, split in enumerate(splits):
-                asked = questions[(split, path)]
+                asked = listing.questions[(split, path)]
                 lost = f"skipped its {len(asked)} question(s) in {split!r} ({_records_text(by_split[split])})"
                 if path not in found:
-                    skipped.append({"source": path, "key": key,
-                                    "reason": f"{path}: image not found under {self.images}; {lost}"})
+                    listing.skipped.append({"source": path, "key": key,
+                                            "reason": f"{path}: image not found under {self.images}; {lost}"})
                 elif n and self.shared_images == "skip":
                     first = splits[0]
-                    skipped.append({"source": path, "key": key, "reason": (
+                    listing.skipped.append({"source": path, "key": key, "reason": (
                         f"{path}: leakage: the image is in split {first!r} ({_records_text(by_split[first])}) "
                         f"and in split {split!r}; kept in {first!r}, {lost}")})
                 else:
@@ -328,7 +348,7 @@ class VqaSource:
         if leaked:
             log.warning("%d images are stored in more than one split (shared_images='keep')", leaked)
         refs.sort(key=lambda r: (order[r.split], r.key))  # type: ignore[index]
-        return refs, skipped
+        return refs
 
     def _listing(self) -> dict[str, tuple[str, int]]:
         """Every file under the image root: relative path -> (URL, size), from one listing."""

@@ -295,7 +295,7 @@ def test_ctrl_c_during_an_index_run_prints_one_line_exits_130_and_leaves_nothing
 def test_ctrl_c_inside_distributed_calls_is_noted_and_raised_between_them():
     """dask_tasks takes Ctrl-C between distributed's calls: one raised inside `distributed.utils.sync`
     made it log a NameError traceback of its own (seen in CI, 1 run in ~10)."""
-    from shard_tools.pack import _ctrl_c_noted
+    from shard_tools.runners import _ctrl_c_noted
 
     with pytest.raises(KeyboardInterrupt), _ctrl_c_noted() as pressed:
         os.kill(os.getpid(), signal.SIGINT)
@@ -307,7 +307,7 @@ def test_ctrl_c_inside_distributed_calls_is_noted_and_raised_between_them():
 def test_processes_spawned_while_ctrl_c_is_ignored_ignore_it_from_their_start():
     """A worker (pool or local Dask cluster) spends its first second importing torch: a Ctrl-C then
     killed it ("Nanny failed to start") unless it was born ignoring it."""
-    from shard_tools.pack import _ctrl_c_ignored
+    from shard_tools.runners import _ctrl_c_ignored
 
     def sigint_ignored(child: subprocess.Popen) -> bool:
         status = pathlib.Path(f"/proc/{child.pid}/status").read_text()

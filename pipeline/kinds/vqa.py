@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from pipeline.collate import padded_images, rows
+from pipeline.checks import is_int_at_least
 from pipeline.errors import SampleError, excerpt
 from pipeline.format import (
     VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, unpack_record,
@@ -61,8 +62,7 @@ class VqaOptions:
     def __post_init__(self) -> None:
         if self.per not in PER:
             raise ValueError(f"per must be one of {PER}, got {self.per!r}")
-        if self.image_size is not None and (not isinstance(self.image_size, int) or isinstance(self.image_size, bool)
-                                            or self.image_size < 1):
+        if self.image_size is not None and not is_int_at_least(self.image_size, 1):
             raise ValueError(f"image_size must be a positive int or None (as stored), got {self.image_size!r}")
         if not isinstance(self.max_image_pixels, int) or self.max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be a positive int, got {self.max_image_pixels!r}")
@@ -93,10 +93,6 @@ def _check(ok: bool, url: str, key: str, field: str, message: str) -> None:
         raise SampleError(url, key, field, message)
 
 
-def _is_int(value: Any, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key: str, units: int = 1) -> VqaSample:
     """Unpack and check a sample's record (every field, strictly); the image is not decoded here."""
     images = [ext for ext in members if ext in _FORMATS]
@@ -114,9 +110,9 @@ def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key
     _check(isinstance(image, dict) and set(image) == set(VQA_IMAGE_FIELDS), url, key, "image",
            f"expected a map of {sorted(VQA_IMAGE_FIELDS)}")
     _check(all(isinstance(image[f], str) for f in ("path", "format", "mode", "sha256"))
-           and _is_int(image["width"], 1) and _is_int(image["height"], 1), url, key, "image", "invalid image info")
+           and is_int_at_least(image["width"], 1) and is_int_at_least(image["height"], 1), url, key, "image", "invalid image info")
     _check(_FORMATS[ext] == image["format"], url, key, "image", f"format {excerpt(repr(image['format']))} in a .{ext} member")
-    _check(isinstance(stored, list) and len(stored) == 2 and all(_is_int(n, 1) for n in stored)
+    _check(isinstance(stored, list) and len(stored) == 2 and all(is_int_at_least(n, 1) for n in stored)
            and stored[0] * stored[1] <= options.max_image_pixels, url, key, "stored_size",
            f"invalid stored size {excerpt(repr(stored))}")
     _check(isinstance(record["split"], str), url, key, "split", "not a string")
@@ -126,7 +122,7 @@ def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key
         _check(isinstance(q, dict) and set(q) == set(VQA_QUESTION_FIELDS), url, key, field,
                f"expected a map of {sorted(VQA_QUESTION_FIELDS)}")
         _check(all(isinstance(q[f], str) for f in ("question", "answer", "source", "layout"))
-               and _is_int(q["record"]) and _is_int(q["turn"]) and isinstance(q["fields"], dict),
+               and is_int_at_least(q["record"], 0) and is_int_at_least(q["turn"], 0) and isinstance(q["fields"], dict),
                url, key, field, "invalid question entry")
     return VqaSample(members[ext], ext, image, (stored[0], stored[1]), questions)
 

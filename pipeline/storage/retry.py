@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from pipeline.checks import is_int_at_least
+
 __all__ = ["Retry", "Tries", "Truncated", "describe", "http_status", "throttled", "transient", "with_retries"]
 
 log = logging.getLogger("pipeline.storage")
@@ -50,7 +52,7 @@ class Retry:
     throttle_seconds: float = 120.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool) or self.attempts < 1:
+        if not is_int_at_least(self.attempts, 1):
             raise ValueError(f"attempts must be an int >= 1, got {self.attempts!r}")
         if not (0 <= self.initial_delay <= self.max_delay):
             raise ValueError(f"need 0 <= initial_delay <= max_delay, got {self.initial_delay}, {self.max_delay}")
