@@ -35,7 +35,8 @@ from pipeline.storage import filesystem, is_local, join, read_manifest, write_by
 from pipeline.storage.local import open_regular
 from pipeline.storage.places import within
 from pipeline.tario import BLOCK, ArchiveMember, ReadLimits, scan_archive
-from shard_tools.pack import Interrupted, PackOptions, Progress, split_of
+from shard_tools.pack import Interrupted, PackOptions, split_of
+from shard_tools.progress import Progress
 from shard_tools.runners import dask_tasks, pool_tick, worker_pool
 from shard_tools.sa1b import check_pair
 

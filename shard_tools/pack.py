@@ -25,18 +25,18 @@ import json
 import logging
 import os
 import posixpath
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from tqdm import tqdm
 
 from pipeline.errors import InputError, PackError, SampleError, TooManySkipped
 from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name, shard_name
 from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import ShardWriter
+from shard_tools.outdir import STATE_DIR, exists, remove_debris, start, unstart
+from shard_tools.progress import Progress
 from shard_tools.runners import dask_tasks, exit_with_parent, pool_tick, worker_pool
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-STATE_DIR = "_pack"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,35 +244,6 @@ class PackSummary:
         ]
 
 
-class Progress:
-    """A tqdm bar on a terminal; otherwise a plain log line at most every `every` seconds."""
-
-    def __init__(self, total: int, enabled: bool, every: float = 10.0, *, unit: str = "img",
-                 what: str = "packed %d/%d samples") -> None:
-        self.total, self.done, self.every, self.what = total, 0, every, what
-        self.start = self.last = time.monotonic()
-        tty = enabled and sys.stderr.isatty()
-        self.bar = tqdm(total=total, unit=unit, smoothing=0.1, dynamic_ncols=True) if tty else None
-        self.enabled = enabled
-
-    def update(self, n: int) -> None:
-        """`n` more done (0: only the periodic line, if one is due; the last line comes as the count ends)."""
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
-            return
-        now = time.monotonic()
-        if self.enabled and (now - self.last >= self.every or (n and self.done == self.total)):
-            self.last = now
-            rate = self.done / max(now - self.start, 1e-9)
-            eta = f"{(self.total - self.done) / rate:.0f} s" if rate else "unknown"
-            log.info(self.what + " (%.1f/s, ETA %s)", self.done, self.total, rate, eta)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _fingerprint(kind: str, options: dict[str, Any], refs: Iterable[SampleRef]) -> str:
     digest = hashlib.sha256(json.dumps([kind, options], sort_keys=True).encode())
     for ref in refs:
@@ -313,7 +283,7 @@ def pack(
     if existing is not None:
         return _summary(existing, time.monotonic() - started, complete=True)
     tasks = _plan(refs, options)
-    made = _start(fs, base, out, fingerprint)
+    made = start(fs, base, out, fingerprint)
     records = _reusable_records(fs, base, tasks)
     reused, reused_samples = len(records), sum(r["shard"]["samples"] for r in records.values())
     todo = [t for t in tasks if t.name not in records]
@@ -324,11 +294,11 @@ def pack(
     except KeyboardInterrupt as exc:
         done = _samples_recorded(fs, base, tasks)
         if made is not None:
-            _unstart(fs, base, made)
+            unstart(fs, base, made)
         raise Interrupted(f"interrupted after {done} of {len(refs)} samples; run the same command to resume") from exc
     except BaseException:
         if made is not None:
-            _unstart(fs, base, made)
+            unstart(fs, base, made)
         raise
     all_skipped = _all_skipped(skipped, records, options, out)
     names = [n for n, _ in options.splits] if options.splits is not None else sorted({t.split for t in tasks})
@@ -361,7 +331,7 @@ def _stored_options(source: Source, options: PackOptions) -> dict[str, Any]:
 def _finished_pack(fs: Any, base: str, out: str, fingerprint: str) -> Manifest | None:
     """The manifest of the same pack when OUT already holds it; PackError when it holds another dataset."""
     manifest_path = join(base, MANIFEST_NAME)
-    if not _exists(fs, manifest_path):
+    if not exists(fs, manifest_path):
         return None
     existing = Manifest.from_json(fs.cat_file(manifest_path), join(out, MANIFEST_NAME))
     if existing.fingerprint != fingerprint:
@@ -375,7 +345,7 @@ def _reusable_records(fs: Any, base: str, tasks: Sequence[_Task]) -> dict[str, d
     records: dict[str, dict[str, Any]] = {}
     for task in tasks:
         record_path = join(state, task.name + ".json")
-        if _exists(fs, record_path) and _exists(fs, join(base, task.name)) and _exists(fs, join(base, index_name(task.name))):
+        if exists(fs, record_path) and exists(fs, join(base, task.name)) and exists(fs, join(base, index_name(task.name))):
             records[task.name] = json.loads(fs.cat_file(record_path))
     return records
 
@@ -437,60 +407,9 @@ def _counts(records: dict[str, dict[str, Any]]) -> dict[str, int]:
     return counts
 
 
-def _holds_more_than_state(fs: Any, base: str) -> bool:
-    """OUT holds something besides `_pack/` (listed afresh: workers write shards from other processes)."""
-    return _exists(fs, base) and any(posixpath.basename(p.rstrip("/")) != STATE_DIR
-                                     for p in fs.ls(base, detail=False, refresh=True))
-
-
-def _start(fs: Any, base: str, out: str, fingerprint: str) -> list[str] | None:
-    """Check that OUT may take this pack and mark it as this pack's (`_pack/fingerprint`). None when
-    resuming an unfinished pack of the same inputs; else the folders made for it, outermost first."""
-    state = join(base, STATE_DIR)
-    stamp = join(state, "fingerprint")
-    if _exists(fs, stamp):
-        if fs.cat_file(stamp).decode().strip() != fingerprint:
-            raise PackError(f"{out} holds an unfinished pack of other inputs or options; remove it or use a new folder")
-        return None
-    if _holds_more_than_state(fs, base):
-        raise PackError(f"{out} is not empty and holds no pack of these inputs; use a new or empty folder")
-    made: list[str] = []
-    path = state
-    while is_local(fs) and not fs.exists(path):  # (object storage has no folders; a missing bucket fails below)
-        made.insert(0, path)
-        path = posixpath.dirname(path)
-    try:
-        for path in made:
-            fs.mkdir(path, create_parents=False)
-        write_bytes(fs, stamp, fingerprint.encode())
-    except BaseException as exc:
-        _unstart(fs, base, made)
-        if isinstance(exc, (FileNotFoundError, PermissionError)):
-            raise PackError(f"cannot write to {out}: {type(exc).__name__}: {exc} (does the bucket exist? are the "
-                            "credentials allowed to write?)") from exc
-        raise
-    return made
-
-
-def _unstart(fs: Any, base: str, made: list[str]) -> None:
-    """After a run that `_start` marked ends early: its fingerprint and the folders it made removed,
-    unless OUT holds more (a shard, or a writer's debris: the next run goes on from there)."""
-    if _holds_more_than_state(fs, base):
-        return
-    with contextlib.suppress(FileNotFoundError):
-        fs.rm_file(join(join(base, STATE_DIR), "fingerprint"))
-    for path in reversed(made):
-        with contextlib.suppress(OSError):  # (not made, or not empty: kept)
-            fs.rmdir(path)
-
-
 def _shard_info(record: dict[str, Any]) -> ShardInfo:
     index = IndexInfo(*record["index"])
     return ShardInfo(record["name"], record["samples"], record["units"], record["bytes"], record["sha256"], index)
-
-
-def _exists(fs: Any, path: str) -> bool:
-    return with_retries(Retry(), fs.unstrip_protocol(path), lambda: fs.exists(path))
 
 
 def _summary(manifest: Manifest, seconds: float, **more: Any) -> PackSummary:
@@ -501,22 +420,10 @@ def _summary(manifest: Manifest, seconds: float, **more: Any) -> PackSummary:
     )
 
 
-def _remove_debris(out: str) -> None:
-    """What a run killed mid-way leaves besides its shards' temporary files (removed once a run
-    finishes): a manifest being written. (The `sem.mp-*` semaphores a killed process group leaves
-    in /dev/shm are not removed: which of them belong to a dead run cannot be told safely, since a
-    live semaphore's creator maps it under a temporary name, and removing another job's breaks it.)"""
-    fs, base = filesystem(out)
-    if is_local(fs):
-        for partial in glob.glob(glob.escape(join(base, MANIFEST_NAME)) + ".partial-*"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
-
-
 def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions,
              bar: Progress) -> Iterator[tuple[_Task, dict[str, Any]]]:
     """Each task run and its record, as they finish; `bar` counts their samples as they are written."""
-    _remove_debris(out)
+    remove_debris(out)
     if options.dask is not None:
         for task, record in _execute_dask(source, tasks, out, options):
             bar.update(len(task.refs))  # (per shard: a worker of a cluster has no cheap channel back per sample)

@@ -37,7 +37,7 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 from pipeline import make_stream_loader
-from shard_tools.pack import Progress
+from shard_tools.progress import Progress
 from shard_tools.preview import mask_colours
 
 __all__ = ["Setting", "Row", "TuneResult", "TuneError", "default_workers", "recommend", "tune", "plot", "WITHIN"]
