@@ -20,7 +20,8 @@ import torch
 
 __all__ = ["Clock", "Stage", "WorkerTable", "LoaderStats", "INPUT_BOUND", "verdict"]
 
-WORKER_STAGES = ("read", "open", "decode", "collate", "active")  # "decode": the whole call, the kind's parts included
+# "decode": the whole block, the reads' waits, opens and the kind's parts in it included; "active": a batch's work
+WORKER_STAGES = ("read", "open", "decode", "collate", "active")
 MAIN_STAGES = ("hand-off", "fetch", "finish", "loop", "other")  # "fetch": hand-off + device copy
 INPUT_BOUND = 0.10  # the step waited at least this share of the wall time: input-bound, else compute-bound
 
@@ -168,7 +169,8 @@ class LoaderStats:
         w = dict(zip(table.stages, (workers[:-2] / 1e9).tolist()))
         parts = {f"decode ({name})": w[name] for name in table.kind_stages}
         stages = {"read wait": w["read"], "open": w["open"], **parts,
-                  "decode (rest)" if parts else "decode": w["decode"] - sum(parts.values()), "collate": w["collate"]}
+                  "decode (rest)" if parts else "decode": w["decode"] - w["read"] - w["open"] - sum(parts.values()),
+                  "collate": w["collate"]}
         stages["other"] = w["active"] - sum(stages.values())
         main_stages = {"hand-off": m["hand-off"], "device copy": m["fetch"] - m["hand-off"], "finish": m["finish"],
                        "other": m["other"], "training loop": m["loop"]}
