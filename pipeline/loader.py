@@ -34,6 +34,7 @@ __all__ = ["LoaderConfig", "LoaderStats", "StreamLoader", "make_stream_loader", 
            "validate_first_batch"]
 
 log = logging.getLogger(__name__)
+_END = object()  # (an iterator's end, where a batch could be anything)
 
 
 class StreamLoader:
@@ -50,7 +51,7 @@ class StreamLoader:
         self._fingerprint = fingerprint(manifests, stream.mix.counts if stream.mix else None)
         self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
         self._generation = 0  # of the current iteration: an iterator of an earlier one is no longer valid
-        self._clock, self._yielded = Clock(MAIN_STAGES), 0  # the main process's times (`stats`)
+        self._clock, self._yielded = Clock(MAIN_STAGES, rest="other"), 0  # the main process's times (`stats`)
         self._baseline = self._figures()
 
     def _figures(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -129,7 +130,7 @@ class StreamLoader:
 
     def _iterate(self, generation: int) -> Iterator[dict[str, Any]]:
         stream, clock, every = self._stream, self._clock, self.config.stats_every
-        clock.mark()
+        clock.mark()  # (from here, the time outside the stages' blocks is "other")
         history, world_size = stream.state.history, stream.world_size
         batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._pulled(generation))
         if self.device is not None and self.device.type == "cuda":
@@ -140,24 +141,23 @@ class StreamLoader:
         done = history[-1].batches if history and history[-1].world_size == world_size else 0
         past = history[:-1] if done else history
         self._taken = (*past, Resume(world_size, done))
-        clock.split("other")
-        for batch in batches:
-            clock.split("fetch")
+        while True:
+            with clock.stage("fetch"):  # (the hand-off, `_pulled`'s, and the device copy)
+                batch = next(batches, _END)
+            if batch is _END:
+                break
             self._check_current(generation)  # (the device stage takes a batch ahead)
             done += 1  # counted as handed over: a checkpoint taken while the batch is in use includes it
             self._taken = (*past, Resume(world_size, done))
-            clock.split("other")
-            finished = stream.kind.finish(batch)
-            del batch  # (released here, not at the next fetch: freeing its tensors is finishing's cost)
-            self._yielded += 1
-            clock.split("finish")
-            yield finished
-            clock.split("loop")
+            with clock.stage("finish"):
+                finished = stream.kind.finish(batch)
+                del batch  # (released here, not at the next fetch: freeing its tensors is finishing's cost)
+                self._yielded += 1
+            with clock.stage("loop"):
+                yield finished
             if every is not None and self._yielded % every == 0:
                 stats = self.stats()
                 log.info("loader stats after %d batches: %s", self._yielded, stats, extra={"loader_stats": stats})
-                clock.split("other")
-        clock.split("fetch")
         if generation == self._generation:
             stream.state.set(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
 

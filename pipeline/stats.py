@@ -12,29 +12,40 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Clock", "WorkerTable", "LoaderStats", "INPUT_BOUND", "verdict"]
+__all__ = ["Clock", "Stage", "WorkerTable", "LoaderStats", "INPUT_BOUND", "verdict"]
 
-WORKER_STAGES = ("read", "open", "decode", "collate", "active")  # "decode": the whole call, the kind's parts included
+# "decode": the whole block, the reads' waits, opens and the kind's parts in it included; "active": a batch's work
+WORKER_STAGES = ("read", "open", "decode", "collate", "active")
 MAIN_STAGES = ("hand-off", "fetch", "finish", "loop", "other")  # "fetch": hand-off + device copy
 INPUT_BOUND = 0.10  # the step waited at least this share of the wall time: input-bound, else compute-bound
 
 
 class Clock:
-    """Nanoseconds per named stage: `split(stage)` gives `stage` the time since the last `mark` or
-    `split`. A kind's `decode` is handed one and splits its own `Kind.stages` (an undeclared name:
-    KeyError); the time it does not split stays the decode's rest."""
+    """Nanoseconds per named stage. `with clock.stage(name):` adds the block's time to `name` (none if
+    an exception leaves it). On a clock made with `rest`, blocks follow one another as `split`s would
+    (none nest) and `rest` gets the time between them since `mark`: the stages add up to all of it.
+    `split(stage)` gives `stage` the time since the last `mark`, `split` or block. A kind's `decode` is
+    handed one and times its own `Kind.stages` with `mark()` before a part and `split(stage)` after it
+    (an undeclared name: KeyError); the time it does not split stays the decode's rest."""
 
-    __slots__ = ("ns", "last")
+    __slots__ = ("ns", "last", "rest", "stages")
 
-    def __init__(self, stages: Sequence[str]) -> None:
+    def __init__(self, stages: Sequence[str], rest: str | None = None) -> None:
         self.ns = dict.fromkeys(stages, 0)
         self.last = time.perf_counter_ns()
+        self.rest = rest
+        self.stages = {name: Stage(self, name) for name in stages}
+
+    def stage(self, name: str) -> Stage:
+        """The block that times `name`: made once, so entering it allocates nothing (a stage's blocks
+        do not nest in one another)."""
+        return self.stages[name]
 
     def mark(self) -> int:
         self.last = now = time.perf_counter_ns()
@@ -48,6 +59,29 @@ class Clock:
 
     def add(self, stage: str, ns: int) -> None:
         self.ns[stage] += ns
+
+
+class Stage:
+    """A with-block of `Clock.stage`, timing one stage."""
+
+    __slots__ = ("clock", "name", "start")
+
+    def __init__(self, clock: Clock, name: str) -> None:
+        self.clock, self.name, self.start = clock, name, 0
+
+    def __enter__(self) -> None:
+        self.start = now = time.perf_counter_ns()
+        clock = self.clock
+        if clock.rest is not None:
+            clock.ns[clock.rest] += now - clock.last
+            clock.last = now
+
+    def __exit__(self, error: type[BaseException] | None, value: object, trace: object) -> None:
+        if error is None:
+            clock = self.clock
+            now = time.perf_counter_ns()
+            clock.ns[self.name] += now - (self.start if clock.rest is None else clock.last)
+            clock.last = now
 
 
 class WorkerTable:
@@ -76,6 +110,21 @@ class WorkerTable:
             self.view = (os.getpid(), self.table.numpy())
         self.view[1][worker] += (*clock.ns.values(), samples, 1)
         clock.ns = dict.fromkeys(self.stages, 0)
+
+    def timed(self, worker: int, clock: Clock, made: Iterator[tuple[Any, int]]) -> Iterator[Any]:
+        """The batches `made` gives with their sample counts, each one's making timed as "active" (its
+        wait at `yield` is not) and the clock flushed to the worker's row before it is handed over."""
+        active = clock.stage("active")
+        try:
+            while True:
+                with active:
+                    pair = next(made, None)
+                if pair is None:
+                    return
+                self.flush(worker, clock, pair[1])
+                yield pair[0]
+        finally:
+            made.close()
 
     def totals(self) -> np.ndarray:
         """Over all workers: nanoseconds per stage, then samples and batches."""
@@ -120,7 +169,8 @@ class LoaderStats:
         w = dict(zip(table.stages, (workers[:-2] / 1e9).tolist()))
         parts = {f"decode ({name})": w[name] for name in table.kind_stages}
         stages = {"read wait": w["read"], "open": w["open"], **parts,
-                  "decode (rest)" if parts else "decode": w["decode"] - sum(parts.values()), "collate": w["collate"]}
+                  "decode (rest)" if parts else "decode": w["decode"] - w["read"] - w["open"] - sum(parts.values()),
+                  "collate": w["collate"]}
         stages["other"] = w["active"] - sum(stages.values())
         main_stages = {"hand-off": m["hand-off"], "device copy": m["fetch"] - m["hand-off"], "finish": m["finish"],
                        "other": m["other"], "training loop": m["loop"]}

@@ -96,7 +96,9 @@ class ShardStream(IterableDataset):
             raise ValueError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
                              f"({self.skipped.shape[1]}); pass max_workers")
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
-        batches = self._batches(world, self.state.epoch, self.state.history)
+        clock = self.times.clock()
+        made = self._batches(world, self.state.epoch, self.state.history, clock)
+        batches = self.times.timed(world.worker, clock, made)  # (each batch's making: its "active" time)
         try:
             while True:
                 problem = self.readers.lease_problem()  # before a batch touches a shard rewritten in place
@@ -118,10 +120,10 @@ class ShardStream(IterableDataset):
         finally:
             batches.close()
 
-    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...]) -> Iterator[Any]:
-        """plan -> read (`read_ahead` batches ahead of decoding) -> open/decode -> collate."""
-        cfg, clock = self.config, self.times.clock()
-        active = clock.last  # since the batch's work began (the plan's and readers' too): not waiting at `yield`
+    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...],
+                 clock: Clock) -> Iterator[tuple[Any, int]]:
+        """plan -> read (`read_ahead` batches ahead of decoding) -> open/decode -> collate: (batch, its samples)."""
+        cfg = self.config
         budget = cfg.max_errors  # skips allowed in this iteration of the rank
         if isinstance(budget, float):
             budget = int(budget * self.rank_samples(history))
@@ -137,7 +139,7 @@ class ShardStream(IterableDataset):
         # read-ahead and downloads begin with the second batch (they would compete with them).
         reads.downloads = chunks is None
         try:
-            for i, (batch, _, _) in enumerate(plan):
+            for i, (batch, _, items) in enumerate(plan):
                 if i == 1:
                     reads.start_downloads()
                 ahead = cfg.read_ahead if i or not chunks else 0
@@ -148,16 +150,14 @@ class ShardStream(IterableDataset):
                         wheres += more
                         asked += 1
                     reads.ahead(wheres)
-                pieces, lost = self._decode(reads, prepared.pop(i), epoch, world.worker, budget, clock)
+                with clock.stage("decode"):  # (the reads' waits and opens in it are theirs: `LoaderStats.of`)
+                    pieces, lost = self._decode(reads, prepared.pop(i), epoch, world.worker, budget, clock)
                 if not pieces:
-                    raise ShardError(self.sources[0].root, f"all {len(plan[i][2])} samples of batch {batch} failed; ranks "
+                    raise ShardError(self.sources[0].root, f"all {len(items)} samples of batch {batch} failed; ranks "
                                      "cannot stay in step")
-                clock.mark()
-                collated = self._collate(pieces, world, epoch)
-                clock.add("active", clock.split("collate") - active)
-                self.times.flush(world.worker, clock, len(plan[i][2]) - lost)
-                yield collated
-                active = clock.mark()
+                with clock.stage("collate"):
+                    collated = self._collate(pieces, world, epoch)
+                yield collated, len(items) - lost
             reads.settle()
         finally:
             reads.close()
@@ -194,8 +194,6 @@ class ShardStream(IterableDataset):
         """The batch's decoded samples and how many of its units failed; with on_error="skip", those
         that fail are counted and left out (more than `budget` in this iteration of the rank: an error)."""
         cfg, pieces, lost = self.config, [], 0
-        times, start = clock.ns, clock.mark()
-        taken = times["read"] + times["open"]  # (decode: the loop's time but `take`'s; no clock calls per piece)
         for where, unit in work:
             try:
                 sample, url, key = reads.take(where)
@@ -215,7 +213,6 @@ class ShardStream(IterableDataset):
                 if budget is not None and skipped > budget:
                     raise ShardError(self.sources[where[0]].root, f"{skipped} samples skipped in this epoch, "
                                      f"more than max_errors={cfg.max_errors} allows ({budget}); last: {exc}") from exc
-        clock.add("decode", clock.mark() - start - (times["read"] + times["open"] - taken))
         return pieces, lost
 
     def _collate(self, samples: list[Any], world: World, epoch: int) -> Any:

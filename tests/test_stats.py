@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline import LoaderConfig, LoaderStats, make_stream_dataset, make_stream_loader
+from pipeline.stats import Clock, WorkerTable
 from shard_tools.embeddings import pack_embeddings
 from shard_tools.pack import PackOptions
 from shard_tools.sample_vqa import write_vqa
@@ -141,3 +142,45 @@ def test_each_kind_shows_its_own_decode_stages(tmp_path):
     stats = loader.stats()
     assert stats.samples == questions and stats.workers["decode (image)"] > 0
     assert [name for name in stats.workers if name.startswith("decode")] == ["decode (image)", "decode (rest)"]
+
+
+def test_a_stage_is_timed_by_its_block_and_not_when_an_error_leaves_it():
+    clock = Clock(("a", "b"))
+    with clock.stage("a"):
+        time.sleep(0.01)
+    with pytest.raises(ValueError), clock.stage("b"):
+        raise ValueError("b failed")
+    assert clock.ns["a"] >= 10_000_000 and clock.ns["b"] == 0
+    with pytest.raises(KeyError):
+        clock.stage("c")
+
+
+def test_with_a_rest_the_stages_add_up_to_all_the_time_since_mark():
+    clock = Clock(("a", "other"), rest="other")
+    start = clock.mark()
+    time.sleep(0.002)
+    with clock.stage("a"):
+        time.sleep(0.002)
+    time.sleep(0.002)
+    with clock.stage("a"):
+        pass
+    assert sum(clock.ns.values()) == clock.last - start
+    assert clock.ns["other"] >= 4_000_000 and clock.ns["a"] >= 2_000_000
+
+
+def test_a_workers_batch_counts_its_making_not_its_wait_to_be_asked_for():
+    table = WorkerTable((), 1)
+    clock = table.clock()
+
+    def made():
+        for samples in (2, 3):
+            with clock.stage("collate"):
+                time.sleep(0.005)
+            yield "batch", samples
+
+    for batch in table.timed(0, clock, made()):
+        assert batch == "batch"
+        time.sleep(0.1)
+    figures = dict(zip((*table.stages, "samples", "batches"), table.totals().tolist()))
+    assert (figures["samples"], figures["batches"]) == (5, 2)
+    assert figures["collate"] >= 10_000_000 and figures["collate"] <= figures["active"] < 100_000_000
