@@ -133,7 +133,7 @@ class ShardStream(IterableDataset):
         readers, opened = self.readers.get()
         reads = SampleReads(self.sources, readers, opened, cfg, self._open, clock)
         prepared: dict[int, list[tuple[Where, Any]]] = {}
-        chunks = self._chunks(len(plan), any(reads.spanned))
+        chunks = _chunks(cfg, self.sources, len(plan), any(reads.spanned))
         asked, last = 0, 0  # batches asked for; the first batch of the last chunk asked for
         # From object storage, the first batch's reads alone, by range (not from the shard cache's downloads);
         # read-ahead and downloads begin with the second batch (they would compete with them).
@@ -161,20 +161,6 @@ class ShardStream(IterableDataset):
             reads.settle()
         finally:
             reads.close()
-
-    def _chunks(self, batches: int, spanned: bool) -> Iterator[int] | None:
-        """From object storage: how many batches each request for reads covers, so that spans merge many
-        samples: 1, 2, 4, ... (the first batch waits for its own samples only), up to what fits twice
-        (one chunk in use, the next in flight) in `read_ahead_bytes` after `read_amplification`,
-        by the sources' mean bytes per item, and at most `_CHUNK_ITEMS` items (small items: the plan's
-        work per chunk stays small). None: one batch at a time, `read_ahead` ahead."""
-        if not spanned:
-            return None
-        cfg = self.config
-        item = sum(int(s.split.shard_bytes.sum()) for s in self.sources) / max(1, sum(int(s.sizes.sum()) for s in self.sources))
-        most = max(1, min(_CHUNK_ITEMS // cfg.batch_size,
-                          int(cfg.read_ahead_bytes / (2 * cfg.read_amplification * cfg.batch_size * max(item, 1)))))
-        return (min(1 << min(n, 62), most, batches) for n in itertools.count())
 
     def _open(self, members: dict[str, Any], url: str, key: str, units: int) -> Any:
         return self.kind.open(members, url=url, key=key, units=units)
@@ -222,3 +208,17 @@ class ShardStream(IterableDataset):
             batch = self.kind.collate(samples, epoch)
         self.leases.lend(world.worker, batch)
         return batch
+
+
+def _chunks(cfg: LoaderConfig, sources: Sequence[SplitIndex], batches: int, spanned: bool) -> Iterator[int] | None:
+    """From object storage: how many batches each request for reads covers, so that spans merge many
+    samples: 1, 2, 4, ... (the first batch waits for its own samples only), up to what fits twice
+    (one chunk in use, the next in flight) in `read_ahead_bytes` after `read_amplification`,
+    by the sources' mean bytes per item, and at most `_CHUNK_ITEMS` items (small items: the plan's
+    work per chunk stays small). None: one batch at a time, `read_ahead` ahead."""
+    if not spanned:
+        return None
+    item = sum(int(s.split.shard_bytes.sum()) for s in sources) / max(1, sum(int(s.sizes.sum()) for s in sources))
+    most = max(1, min(_CHUNK_ITEMS // cfg.batch_size,
+                      int(cfg.read_ahead_bytes / (2 * cfg.read_amplification * cfg.batch_size * max(item, 1)))))
+    return (min(1 << min(n, 62), most, batches) for n in itertools.count())
