@@ -280,7 +280,7 @@ class ShardReader:
         logged, not raised (its samples were read by byte range); those that found another object than
         the shard are returned: samples taken before that was known were not checked against it."""
         with self._lock:
-            downloads, self._downloads = list(self._downloads.items()), {}
+            downloads, self._downloads, self._started = list(self._downloads.items()), {}, {}
         mismatched = []
         for name, future in downloads:
             exc = future.exception()
