@@ -1,9 +1,9 @@
 """Embeddings on the packing side: a folder of row-aligned arrays -> blocks of rows.
 
 `EmbeddingsSource.load(DIR)` reads the schema (`DIR/schema.json` by default), opens every array
-without copying it (`.npy` memory-mapped with `allow_pickle=False`; `.safetensors` memory-mapped by
-the safetensors library, the `embeddings` extra; BF16 included) and checks
-everything before a shard is written: lengths agree, floats are finite, declared ranges and
+without copying it (`shard_tools.arrays`: `.npy` memory-mapped with `allow_pickle=False`;
+`.safetensors` memory-mapped by the safetensors library, the `embeddings` extra; BF16 included) and
+checks everything before a shard is written: lengths agree, floats are finite, declared ranges and
 references hold, splits are disjoint row indices. Pickle-based files (`.pt`, `.pth`, ...) are
 refused. A block is `rows_per_block` consecutive rows of a split (in row order), written as one
 sample of typed columns (`pipeline.format.pack_columns`) with the rows' indices as column `row`.
@@ -24,7 +24,6 @@ rows (a number, or an array whose length is the count). Without `splits`, every 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -33,13 +32,13 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from pipeline.kinds.embeddings import Field, value_problem
 from pipeline.errors import InputError, RowError
-from pipeline.format import BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
+from pipeline.format import EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
 from pipeline.storage import sha256_file
 from pipeline.tario import ReadLimits
+from shard_tools.arrays import file_stamp, mapped, open_array, split_rows
 from shard_tools.pack import PackOptions, PackSummary, Part, SampleRef, pack
 
 __all__ = ["EmbeddingsSource", "SourceField", "SourceSplit", "open_array", "pack_embeddings", "SCHEMA_NAME"]
@@ -53,106 +52,6 @@ _SCHEMA_KEYS = {"fields", "splits"}
 _FIELD_KEYS = {"file", "tensor", "range", "index_into"}
 _ARRAY_KEYS = {"file", "tensor"}
 _INTEGERS = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
-_SAFETENSORS_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
-    "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": BFLOAT16, "F32": "float32", "F64": "float64",
-}
-_EXTRA_HELP = "install the package's embeddings extra, or pip install 'safetensors>=0.4'"
-_PICKLED = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin", ".joblib")
-_PICKLE_HELP = ("loading it would run pickle, which can execute arbitrary code, so shard-pack never does. Save "
-                "the tensor as .safetensors (safetensors.torch.save_file({'name': tensor}, 'x.safetensors'); keeps "
-                "bfloat16) or .npy (numpy.save('x.npy', tensor.numpy()))")
-
-
-# -- arrays --------------------------------------------------------------------------------------
-
-def _safetensors(path: str, tensor: str | None, url: str) -> tuple[np.ndarray, str]:
-    """The tensor, memory-mapped by the safetensors library (which checks the header: JSON, dtypes,
-    offsets covering the data exactly) and viewed as numpy without a copy."""
-    try:
-        from safetensors import SafetensorError, safe_open
-    except ImportError as exc:
-        raise InputError(url, f"reading .safetensors needs the safetensors package: {_EXTRA_HELP}") from exc
-    try:
-        with safe_open(path, framework="pt") as f:
-            names = sorted(f.keys())
-            if tensor is None:
-                if len(names) != 1:
-                    raise InputError(url, f"holds tensors {names}: name one with \"tensor\" in the schema")
-                (tensor,) = names
-            if tensor not in names:
-                raise InputError(url, f"no tensor {tensor!r}; the file holds {names}")
-            stored = f.get_slice(tensor).get_dtype()
-            if stored not in _SAFETENSORS_DTYPES:
-                raise InputError(url, f"tensor {tensor!r}: dtype {stored} is not supported (dtypes: "
-                                 f"{sorted(_SAFETENSORS_DTYPES)})")
-            values = f.get_tensor(tensor)  # mapped: no byte is read until used
-    except (SafetensorError, OSError) as exc:
-        which = f" (reading tensor {tensor!r})" if tensor is not None else ""
-        raise InputError(url, f"not a safetensors file{which}: {exc}"[:400]) from exc
-    dtype = _SAFETENSORS_DTYPES[stored]
-    array = values.reshape(-1).view(torch.uint8).numpy().view(storage_dtype(dtype)).reshape(tuple(values.shape))
-    array.flags.writeable = False  # as a read-only memory map
-    return array, dtype
-
-
-def _npy(path: str, url: str) -> tuple[np.ndarray, str]:
-    with open(path, "rb") as f:
-        if f.read(6) != b"\x93NUMPY":
-            raise InputError(url, f"not a .npy file (no NPY magic); if it is a pickle, {_PICKLE_HELP}")
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as exc:
-        if "pickle" in str(exc) or "object" in str(exc).lower():
-            raise InputError(url, f"holds Python objects, which only pickle can read: {_PICKLE_HELP}") from exc
-        raise InputError(url, f"cannot read .npy: {exc}") from exc
-    except OSError as exc:
-        raise InputError(url, f"cannot read .npy: {exc}") from exc
-    dtype = array.dtype
-    name = dtype.name if dtype.kind in "biuf" and dtype.fields is None else ""
-    if name not in COLUMN_DTYPES or name == BFLOAT16:
-        raise InputError(url, f"dtype {dtype} is not supported (bool, ints, uints, float16/32/64; bfloat16 via .safetensors)")
-    return array, name
-
-
-def open_array(path: str, tensor: str | None = None, url: str | None = None) -> tuple[np.ndarray, str]:
-    """(array, dtype name) of an input file, memory-mapped, never through pickle. A bfloat16 array
-    comes as its uint16 bit patterns. Raises InputError naming the file (`url`) and why."""
-    url = url or path
-    ext = os.path.splitext(path)[1].lower()
-    if ext in _PICKLED:
-        raise InputError(url, f"{ext} files are pickle archives: {_PICKLE_HELP}")
-    if ext not in (".npy", ".safetensors"):
-        raise InputError(url, "unsupported file type: arrays are read from .npy or .safetensors files")
-    if not os.path.isfile(path):
-        raise InputError(url, "no such file")
-    if ext == ".npy":
-        if tensor is not None:
-            raise InputError(url, f"a .npy file holds one array: drop \"tensor\": {tensor!r} from the schema")
-        return _npy(path, url)
-    return _safetensors(path, tensor, url)
-
-
-def _stamp(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-@functools.lru_cache(maxsize=64)
-def _mapped_at(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tuple[np.ndarray, str]:
-    return open_array(path, tensor)
-
-
-def _mapped(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tuple[np.ndarray, str]:
-    """The array as it was checked: a file replaced or rewritten since then is an error, not data."""
-    if _stamp(path) != stamp:
-        raise InputError(path, "changed since it was checked; run shard-pack again")
-    return _mapped_at(path, tensor, stamp)
-
-
-@functools.lru_cache(maxsize=16)
-def _split_rows(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> np.ndarray:
-    return np.sort(np.asarray(_mapped(path, tensor, stamp)[0], dtype=np.int64))
 
 
 # -- schema --------------------------------------------------------------------------------------
@@ -252,7 +151,7 @@ class EmbeddingsSource:
     def _rows(self, split: SourceSplit) -> np.ndarray:
         if split.file is None:
             return np.arange(self.rows, dtype=np.int64)
-        return _split_rows(os.path.join(self.root, split.file), split.tensor, split.stamp)
+        return split_rows(os.path.join(self.root, split.file), split.tensor, split.stamp)
 
     def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
         """One sample per block of each split: `rows_per_block` rows, in row order."""
@@ -268,7 +167,7 @@ class EmbeddingsSource:
                 for f in self.fields:
                     path = os.path.join(self.root, f.file)
                     row_bytes = math.prod(f.field.shape) * storage_dtype(f.field.dtype).itemsize
-                    offset = getattr(_mapped(path, f.tensor, f.stamp)[0], "offset", 0) + first * row_bytes
+                    offset = getattr(mapped(path, f.tensor, f.stamp)[0], "offset", 0) + first * row_bytes
                     parts.append((f.field.name, Part(path, offset, len(chunk) * row_bytes, f"{f.file}[rows {first}..{last}]")))
                 refs.append(SampleRef(f"{split.name}-{block:06d}", tuple(parts), split.name, len(chunk)))
         return refs, []
@@ -282,7 +181,7 @@ class EmbeddingsSource:
         contiguous = int(rows[-1]) - int(rows[0]) + 1 == len(rows)
         columns = [(EMB_ROW, "int64", rows)]
         for f in self.fields:
-            array, dtype = _mapped(os.path.join(self.root, f.file), f.tensor, f.stamp)
+            array, dtype = mapped(os.path.join(self.root, f.file), f.tensor, f.stamp)
             values = array[int(rows[0]) : int(rows[-1]) + 1] if contiguous else array[rows]
             columns.append((f.field.name, dtype, np.asarray(values, dtype=storage_dtype(dtype))))
         table, data = pack_columns(columns)
@@ -338,7 +237,7 @@ def _open_field(root: str, schema_path: str, name: str, entry: Any) -> _FieldEnt
     if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(map(_number, rng)) and rng[0] <= rng[1]):
         raise InputError(schema_path, f"{where}: range must be [low, high] (finite numbers, low <= high), got {rng!r}")
     path = os.path.join(root, file)
-    stamp = _stamp(path) if os.path.isfile(path) else (0, 0, 0)
+    stamp = file_stamp(path) if os.path.isfile(path) else (0, 0, 0)
     array, dtype = open_array(path, tensor, file)
     return _FieldEntry(name, file, tensor, rng, entry.get("index_into"), array, dtype, stamp)
 
@@ -395,7 +294,7 @@ def _source_splits(root: str, schema_path: str, splits_spec: Any,
             raise InputError(schema_path, f"split {name!r}: names are identifiers of at most 40 characters")
         file, tensor = _array_ref(value, schema_path, f"split {name!r}")
         path = os.path.join(root, file)
-        stamp = _stamp(path) if os.path.isfile(path) else (0, 0, 0)
+        stamp = file_stamp(path) if os.path.isfile(path) else (0, 0, 0)
         index, dtype = open_array(path, tensor, file)
         if dtype not in _INTEGERS or index.ndim != 1:
             raise InputError(file, f"split {name!r}: want a 1-D array of integer row indices, got {dtype}{list(index.shape)}")
