@@ -19,10 +19,14 @@ Schema (unknown keys are errors; paths are relative to DIR):
 
 `range` is inclusive; `index_into` makes the field a reference into another table of that many
 rows (a number, or an array whose length is the count). Without `splits`, every row is `train`.
+
+`PACKING` declares the kind to `shard_tools.kinds`: its subcommand (`shard-pack embeddings`), its
+preview (a table of the fields over the batch's rows) and its loader option as a flag.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -32,16 +36,22 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
+from PIL import Image, ImageDraw
 
 from pipeline.kinds.embeddings import Field, value_problem
 from pipeline.errors import InputError, RowError
 from pipeline.format import EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
 from pipeline.storage import sha256_file
 from pipeline.tario import ReadLimits
+import shard_tools.flags as flags
 from shard_tools.arrays import file_stamp, mapped, open_array, split_rows
+from shard_tools.drawing import BACKGROUND, PAD, TEXT, Drawing, Preview, font, line_height
+from shard_tools.flags import Subparsers
 from shard_tools.pack import PackOptions, PackSummary, Part, SampleRef, pack
+from shard_tools.plugin import KindOption, PackingKind
 
-__all__ = ["EmbeddingsSource", "SourceField", "SourceSplit", "open_array", "pack_embeddings", "SCHEMA_NAME"]
+__all__ = ["EmbeddingsSource", "PACKING", "SourceField", "SourceSplit", "open_array", "pack_embeddings", "SCHEMA_NAME"]
 
 log = logging.getLogger(__name__)
 SCHEMA_NAME = "schema.json"
@@ -361,3 +371,62 @@ def pack_embeddings(root: str, out: str, *, schema: str | None = None, rows_per_
         raise ValueError("embeddings take their splits from the schema's index files: use PackOptions(splits=None)")
     source = EmbeddingsSource.load(root, schema, rows_per_block)
     return pack(source, [source.root], out, options, progress=progress)
+
+
+# -- `shard-pack embeddings` ------------------------------------------------------------------------
+
+def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, parents=[flags.quiet(), flags.shards("blocks", "data"), flags.workers(skipped=None, dask=dask)],
+                       help="pack a folder of row-aligned arrays (.npy/.safetensors) described by a schema",
+                       description="Check every array against the schema (lengths, NaN/Inf, declared ranges, "
+                       "references, splits), then pack blocks of rows; nothing is written if a check fails. Schema: "
+                       '{"fields": {"name": {"file": "name.npy", "tensor": "(in .safetensors)", "range": [low, high], '
+                       '"index_into": rows or "table.npy"}, ...}, "splits": {"train": "train_idx.npy", ...}}')
+    p.add_argument("source", metavar="DIR", help="folder of the arrays (and of schema.json)")
+    p.add_argument("out", metavar="OUT", help=flags.OUT)
+    p.add_argument("--schema", metavar="FILE", help=f"schema file (default: DIR/{SCHEMA_NAME})")
+    p.add_argument("--rows-per-block", type=int, help="rows per block (default: a power of two, blocks of at most 4 MiB)")
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    options = flags.pack_options(args, splits=None, max_skipped=0)
+    return flags.summary(pack_embeddings(args.source, args.out, schema=args.schema, rows_per_block=args.rows_per_block,
+                                         options=options, progress=not args.quiet))
+
+
+# -- `shard-pack preview`: the fields' statistics -----------------------------------------------------
+
+def _table(batch: dict[str, torch.Tensor], tile: int, columns: int, bins: int = 32) -> Preview:
+    """A row per field: dtype and per-row shape, min, mean, max over the batch, and a histogram (the
+    batch's rows are its keys; `tile` and `columns` do not apply)."""
+    line, hist_w = line_height(), 4 * bins
+    names = [name for name in batch if name != EMB_ROW]
+    columns_x = [PAD, 170, 330, 420, 510, 600]
+    image = Image.new("RGB", (columns_x[-1] + hist_w + PAD, (len(names) + 2) * (line + 4) + PAD), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    rows = [str(r) for r in batch[EMB_ROW].tolist()]
+    draw.text((PAD, PAD), f"{len(rows)} rows: " + ", ".join(rows[:12]) + (" ..." if len(rows) > 12 else ""),
+              fill=TEXT, font=font())
+    for x, head in zip(columns_x, ("field", "dtype (per row)", "min", "mean", "max", "histogram")):
+        draw.text((x, PAD + line + 4), head, fill=TEXT, font=font())
+    for k, name in enumerate(names):
+        y = PAD + (k + 2) * (line + 4)
+        values = batch[name].detach().cpu().to(torch.float64).flatten().numpy()
+        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        cells = [name, f"{str(batch[name].dtype).removeprefix('torch.')} {tuple(batch[name].shape[1:])}",
+                 f"{low:.4g}", f"{values.mean() if values.size else 0.0:.4g}", f"{high:.4g}"]
+        for x, cell in zip(columns_x, cells):
+            draw.text((x, y), cell, fill=TEXT, font=font())
+        counts, _ = np.histogram(values, bins=bins, range=(low, high if high > low else low + 1))
+        for b, c in enumerate(counts):
+            bar = round(line * c / max(counts.max(), 1))
+            draw.rectangle([columns_x[-1] + 4 * b, y + line - bar, columns_x[-1] + 4 * b + 2, y + line], fill=(90, 170, 250))
+    return Preview(image, tuple(rows), ())
+
+
+PACKING = PackingKind(
+    add=_add, run=_run, preview=Drawing(_table, shows="embeddings: field statistics"),
+    options=(KindOption("--fields", "embeddings: the fields to read, e.g. question_emb,relevance",
+                        lambda t: tuple(t.split(","))),),
+)
