@@ -1,9 +1,9 @@
 """Embeddings on the packing side: a folder of row-aligned arrays -> blocks of rows.
 
 `EmbeddingsSource.load(DIR)` reads the schema (`DIR/schema.json` by default), opens every array
-without copying it (`.npy` memory-mapped with `allow_pickle=False`; `.safetensors` memory-mapped by
-the safetensors library, the `embeddings` extra; BF16 included) and checks
-everything before a shard is written: lengths agree, floats are finite, declared ranges and
+without copying it (`shard_tools.arrays`: `.npy` memory-mapped with `allow_pickle=False`;
+`.safetensors` memory-mapped by the safetensors library, the `embeddings` extra; BF16 included) and
+checks everything before a shard is written: lengths agree, floats are finite, declared ranges and
 references hold, splits are disjoint row indices. Pickle-based files (`.pt`, `.pth`, ...) are
 refused. A block is `rows_per_block` consecutive rows of a split (in row order), written as one
 sample of typed columns (`pipeline.format.pack_columns`) with the rows' indices as column `row`.
@@ -19,12 +19,15 @@ Schema (unknown keys are errors; paths are relative to DIR):
 
 `range` is inclusive; `index_into` makes the field a reference into another table of that many
 rows (a number, or an array whose length is the count). Without `splits`, every row is `train`.
+
+`PACKING` declares the kind to `shard_tools.kinds`: its subcommand (`shard-pack embeddings`), its
+preview (a table of the fields over the batch's rows) and its loader option as a flag.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -34,15 +37,21 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw
 
 from pipeline.kinds.embeddings import Field, value_problem
 from pipeline.errors import InputError, RowError
-from pipeline.format import BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
+from pipeline.format import EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
 from pipeline.storage import sha256_file
 from pipeline.tario import ReadLimits
+import shard_tools.flags as flags
+from shard_tools.arrays import file_stamp, mapped, open_array, split_rows
+from shard_tools.drawing import BACKGROUND, PAD, TEXT, Drawing, Preview, font, line_height
+from shard_tools.flags import Subparsers
 from shard_tools.pack import PackOptions, PackSummary, Part, SampleRef, pack
+from shard_tools.plugin import KindOption, PackingKind
 
-__all__ = ["EmbeddingsSource", "SourceField", "SourceSplit", "open_array", "pack_embeddings", "SCHEMA_NAME"]
+__all__ = ["EmbeddingsSource", "PACKING", "SourceField", "SourceSplit", "open_array", "pack_embeddings", "SCHEMA_NAME"]
 
 log = logging.getLogger(__name__)
 SCHEMA_NAME = "schema.json"
@@ -53,106 +62,6 @@ _SCHEMA_KEYS = {"fields", "splits"}
 _FIELD_KEYS = {"file", "tensor", "range", "index_into"}
 _ARRAY_KEYS = {"file", "tensor"}
 _INTEGERS = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
-_SAFETENSORS_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
-    "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": BFLOAT16, "F32": "float32", "F64": "float64",
-}
-_EXTRA_HELP = "install the package's embeddings extra, or pip install 'safetensors>=0.4'"
-_PICKLED = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin", ".joblib")
-_PICKLE_HELP = ("loading it would run pickle, which can execute arbitrary code, so shard-pack never does. Save "
-                "the tensor as .safetensors (safetensors.torch.save_file({'name': tensor}, 'x.safetensors'); keeps "
-                "bfloat16) or .npy (numpy.save('x.npy', tensor.numpy()))")
-
-
-# -- arrays --------------------------------------------------------------------------------------
-
-def _safetensors(path: str, tensor: str | None, url: str) -> tuple[np.ndarray, str]:
-    """The tensor, memory-mapped by the safetensors library (which checks the header: JSON, dtypes,
-    offsets covering the data exactly) and viewed as numpy without a copy."""
-    try:
-        from safetensors import SafetensorError, safe_open
-    except ImportError as exc:
-        raise InputError(url, f"reading .safetensors needs the safetensors package: {_EXTRA_HELP}") from exc
-    try:
-        with safe_open(path, framework="pt") as f:
-            names = sorted(f.keys())
-            if tensor is None:
-                if len(names) != 1:
-                    raise InputError(url, f"holds tensors {names}: name one with \"tensor\" in the schema")
-                (tensor,) = names
-            if tensor not in names:
-                raise InputError(url, f"no tensor {tensor!r}; the file holds {names}")
-            stored = f.get_slice(tensor).get_dtype()
-            if stored not in _SAFETENSORS_DTYPES:
-                raise InputError(url, f"tensor {tensor!r}: dtype {stored} is not supported (dtypes: "
-                                 f"{sorted(_SAFETENSORS_DTYPES)})")
-            values = f.get_tensor(tensor)  # mapped: no byte is read until used
-    except (SafetensorError, OSError) as exc:
-        which = f" (reading tensor {tensor!r})" if tensor is not None else ""
-        raise InputError(url, f"not a safetensors file{which}: {exc}"[:400]) from exc
-    dtype = _SAFETENSORS_DTYPES[stored]
-    array = values.reshape(-1).view(torch.uint8).numpy().view(storage_dtype(dtype)).reshape(tuple(values.shape))
-    array.flags.writeable = False  # as a read-only memory map
-    return array, dtype
-
-
-def _npy(path: str, url: str) -> tuple[np.ndarray, str]:
-    with open(path, "rb") as f:
-        if f.read(6) != b"\x93NUMPY":
-            raise InputError(url, f"not a .npy file (no NPY magic); if it is a pickle, {_PICKLE_HELP}")
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as exc:
-        if "pickle" in str(exc) or "object" in str(exc).lower():
-            raise InputError(url, f"holds Python objects, which only pickle can read: {_PICKLE_HELP}") from exc
-        raise InputError(url, f"cannot read .npy: {exc}") from exc
-    except OSError as exc:
-        raise InputError(url, f"cannot read .npy: {exc}") from exc
-    dtype = array.dtype
-    name = dtype.name if dtype.kind in "biuf" and dtype.fields is None else ""
-    if name not in COLUMN_DTYPES or name == BFLOAT16:
-        raise InputError(url, f"dtype {dtype} is not supported (bool, ints, uints, float16/32/64; bfloat16 via .safetensors)")
-    return array, name
-
-
-def open_array(path: str, tensor: str | None = None, url: str | None = None) -> tuple[np.ndarray, str]:
-    """(array, dtype name) of an input file, memory-mapped, never through pickle. A bfloat16 array
-    comes as its uint16 bit patterns. Raises InputError naming the file (`url`) and why."""
-    url = url or path
-    ext = os.path.splitext(path)[1].lower()
-    if ext in _PICKLED:
-        raise InputError(url, f"{ext} files are pickle archives: {_PICKLE_HELP}")
-    if ext not in (".npy", ".safetensors"):
-        raise InputError(url, "unsupported file type: arrays are read from .npy or .safetensors files")
-    if not os.path.isfile(path):
-        raise InputError(url, "no such file")
-    if ext == ".npy":
-        if tensor is not None:
-            raise InputError(url, f"a .npy file holds one array: drop \"tensor\": {tensor!r} from the schema")
-        return _npy(path, url)
-    return _safetensors(path, tensor, url)
-
-
-def _stamp(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-@functools.lru_cache(maxsize=64)
-def _mapped_at(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tuple[np.ndarray, str]:
-    return open_array(path, tensor)
-
-
-def _mapped(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tuple[np.ndarray, str]:
-    """The array as it was checked: a file replaced or rewritten since then is an error, not data."""
-    if _stamp(path) != stamp:
-        raise InputError(path, "changed since it was checked; run shard-pack again")
-    return _mapped_at(path, tensor, stamp)
-
-
-@functools.lru_cache(maxsize=16)
-def _split_rows(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> np.ndarray:
-    return np.sort(np.asarray(_mapped(path, tensor, stamp)[0], dtype=np.int64))
 
 
 # -- schema --------------------------------------------------------------------------------------
@@ -252,7 +161,7 @@ class EmbeddingsSource:
     def _rows(self, split: SourceSplit) -> np.ndarray:
         if split.file is None:
             return np.arange(self.rows, dtype=np.int64)
-        return _split_rows(os.path.join(self.root, split.file), split.tensor, split.stamp)
+        return split_rows(os.path.join(self.root, split.file), split.tensor, split.stamp)
 
     def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
         """One sample per block of each split: `rows_per_block` rows, in row order."""
@@ -268,7 +177,7 @@ class EmbeddingsSource:
                 for f in self.fields:
                     path = os.path.join(self.root, f.file)
                     row_bytes = math.prod(f.field.shape) * storage_dtype(f.field.dtype).itemsize
-                    offset = getattr(_mapped(path, f.tensor, f.stamp)[0], "offset", 0) + first * row_bytes
+                    offset = getattr(mapped(path, f.tensor, f.stamp)[0], "offset", 0) + first * row_bytes
                     parts.append((f.field.name, Part(path, offset, len(chunk) * row_bytes, f"{f.file}[rows {first}..{last}]")))
                 refs.append(SampleRef(f"{split.name}-{block:06d}", tuple(parts), split.name, len(chunk)))
         return refs, []
@@ -282,7 +191,7 @@ class EmbeddingsSource:
         contiguous = int(rows[-1]) - int(rows[0]) + 1 == len(rows)
         columns = [(EMB_ROW, "int64", rows)]
         for f in self.fields:
-            array, dtype = _mapped(os.path.join(self.root, f.file), f.tensor, f.stamp)
+            array, dtype = mapped(os.path.join(self.root, f.file), f.tensor, f.stamp)
             values = array[int(rows[0]) : int(rows[-1]) + 1] if contiguous else array[rows]
             columns.append((f.field.name, dtype, np.asarray(values, dtype=storage_dtype(dtype))))
         table, data = pack_columns(columns)
@@ -338,7 +247,7 @@ def _open_field(root: str, schema_path: str, name: str, entry: Any) -> _FieldEnt
     if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(map(_number, rng)) and rng[0] <= rng[1]):
         raise InputError(schema_path, f"{where}: range must be [low, high] (finite numbers, low <= high), got {rng!r}")
     path = os.path.join(root, file)
-    stamp = _stamp(path) if os.path.isfile(path) else (0, 0, 0)
+    stamp = file_stamp(path) if os.path.isfile(path) else (0, 0, 0)
     array, dtype = open_array(path, tensor, file)
     return _FieldEntry(name, file, tensor, rng, entry.get("index_into"), array, dtype, stamp)
 
@@ -395,7 +304,7 @@ def _source_splits(root: str, schema_path: str, splits_spec: Any,
             raise InputError(schema_path, f"split {name!r}: names are identifiers of at most 40 characters")
         file, tensor = _array_ref(value, schema_path, f"split {name!r}")
         path = os.path.join(root, file)
-        stamp = _stamp(path) if os.path.isfile(path) else (0, 0, 0)
+        stamp = file_stamp(path) if os.path.isfile(path) else (0, 0, 0)
         index, dtype = open_array(path, tensor, file)
         if dtype not in _INTEGERS or index.ndim != 1:
             raise InputError(file, f"split {name!r}: want a 1-D array of integer row indices, got {dtype}{list(index.shape)}")
@@ -462,3 +371,62 @@ def pack_embeddings(root: str, out: str, *, schema: str | None = None, rows_per_
         raise ValueError("embeddings take their splits from the schema's index files: use PackOptions(splits=None)")
     source = EmbeddingsSource.load(root, schema, rows_per_block)
     return pack(source, [source.root], out, options, progress=progress)
+
+
+# -- `shard-pack embeddings` ------------------------------------------------------------------------
+
+def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, parents=[flags.quiet(), flags.shards("blocks", "data"), flags.workers(skipped=None, dask=dask)],
+                       help="pack a folder of row-aligned arrays (.npy/.safetensors) described by a schema",
+                       description="Check every array against the schema (lengths, NaN/Inf, declared ranges, "
+                       "references, splits), then pack blocks of rows; nothing is written if a check fails. Schema: "
+                       '{"fields": {"name": {"file": "name.npy", "tensor": "(in .safetensors)", "range": [low, high], '
+                       '"index_into": rows or "table.npy"}, ...}, "splits": {"train": "train_idx.npy", ...}}')
+    p.add_argument("source", metavar="DIR", help="folder of the arrays (and of schema.json)")
+    p.add_argument("out", metavar="OUT", help=flags.OUT)
+    p.add_argument("--schema", metavar="FILE", help=f"schema file (default: DIR/{SCHEMA_NAME})")
+    p.add_argument("--rows-per-block", type=int, help="rows per block (default: a power of two, blocks of at most 4 MiB)")
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    options = flags.pack_options(args, splits=None, max_skipped=0)
+    return flags.summary(pack_embeddings(args.source, args.out, schema=args.schema, rows_per_block=args.rows_per_block,
+                                         options=options, progress=not args.quiet))
+
+
+# -- `shard-pack preview`: the fields' statistics -----------------------------------------------------
+
+def _table(batch: dict[str, torch.Tensor], tile: int, columns: int, bins: int = 32) -> Preview:
+    """A row per field: dtype and per-row shape, min, mean, max over the batch, and a histogram (the
+    batch's rows are its keys; `tile` and `columns` do not apply)."""
+    line, hist_w = line_height(), 4 * bins
+    names = [name for name in batch if name != EMB_ROW]
+    columns_x = [PAD, 170, 330, 420, 510, 600]
+    image = Image.new("RGB", (columns_x[-1] + hist_w + PAD, (len(names) + 2) * (line + 4) + PAD), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    rows = [str(r) for r in batch[EMB_ROW].tolist()]
+    draw.text((PAD, PAD), f"{len(rows)} rows: " + ", ".join(rows[:12]) + (" ..." if len(rows) > 12 else ""),
+              fill=TEXT, font=font())
+    for x, head in zip(columns_x, ("field", "dtype (per row)", "min", "mean", "max", "histogram")):
+        draw.text((x, PAD + line + 4), head, fill=TEXT, font=font())
+    for k, name in enumerate(names):
+        y = PAD + (k + 2) * (line + 4)
+        values = batch[name].detach().cpu().to(torch.float64).flatten().numpy()
+        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        cells = [name, f"{str(batch[name].dtype).removeprefix('torch.')} {tuple(batch[name].shape[1:])}",
+                 f"{low:.4g}", f"{values.mean() if values.size else 0.0:.4g}", f"{high:.4g}"]
+        for x, cell in zip(columns_x, cells):
+            draw.text((x, y), cell, fill=TEXT, font=font())
+        counts, _ = np.histogram(values, bins=bins, range=(low, high if high > low else low + 1))
+        for b, c in enumerate(counts):
+            bar = round(line * c / max(counts.max(), 1))
+            draw.rectangle([columns_x[-1] + 4 * b, y + line - bar, columns_x[-1] + 4 * b + 2, y + line], fill=(90, 170, 250))
+    return Preview(image, tuple(rows), ())
+
+
+PACKING = PackingKind(
+    add=_add, run=_run, preview=Drawing(_table, shows="embeddings: field statistics"),
+    options=(KindOption("--fields", "embeddings: the fields to read, e.g. question_emb,relevance",
+                        lambda t: tuple(t.split(","))),),
+)

@@ -1,10 +1,11 @@
-"""`shard-pack index`: make a dataset of original archives in place (SA-1B as Meta ships it, or any
-WebDataset tars), writing only shard indexes and a manifest; the archives are never copied.
+"""`shard-pack index`: make a dataset of original archives in place, writing only shard indexes and a
+manifest; the archives are never copied. Which kinds can be indexed, and how a kind finds its
+samples among an archive's members, is the kind's (`shard_tools.kinds`, `PackingKind.index`).
 
 Each archive is read once, front to back in large blocks (its tar headers parsed, never extracted),
 and its SHA-256 and size computed in the same pass; archives are scanned in parallel and the
-output is byte-identical for any number of workers. SA-1B pairs are checked exactly as packing
-checks them (`shard_tools.sa1b.check_pair`); a bad pair is skipped, named and counted. Samples go
+output is byte-identical for any number of workers. A kind checks its samples as its packing does;
+a bad one is skipped, named and counted. Samples go
 to splits by key hash as packing puts them (`split_of`), so an archive may serve several splits,
 each with an index file listing its samples only. Only regular files named `<key>.<ext>` with a
 flat key are indexed (`./<key>.<ext>` too, as `tar -C dir .` writes): members in folders, links,
@@ -28,24 +29,24 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import InputError, PackError, SampleError, ShardError, TooManySkipped
-from pipeline.format import (MANIFEST_NAME, SA1B_JPG, SA1B_JSON, WEBDATASET, IndexInfo, Manifest, ShardIndex, ShardInfo,
-                             check_ext, check_key, check_shard_name)
+from pipeline.errors import InputError, PackError, ShardError, TooManySkipped
+from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, check_shard_name
 from pipeline.storage import filesystem, is_local, join, read_manifest, write_bytes
 from pipeline.storage.local import open_regular
 from pipeline.storage.places import within
-from pipeline.tario import BLOCK, ArchiveMember, ReadLimits, scan_archive
+from pipeline.tario import scan_archive
+from shard_tools.kinds import KINDS
 from shard_tools.pack import Interrupted, PackOptions, split_of
 from shard_tools.progress import Progress
 from shard_tools.runners import dask_tasks, pool_tick, worker_pool
-from shard_tools.sa1b import check_pair
+from shard_tools.scan import LIMITS, Members, skip
 
-__all__ = ["IndexSummary", "index_archives", "index_sa1b", "index_webdataset"]
+_INDEXED = {name: kind.index for name, kind in KINDS.items() if kind.index is not None}  # the kinds indexed in place
+# index_KIND(sources, out, **options): index_archives(KIND, ...) for each of them (module `__getattr__`)
+__all__ = ["IndexSummary", "index_archives", *(f"index_{name}" for name in _INDEXED)]
 
 log = logging.getLogger(__name__)
 _READ_BLOCK = 16 << 20  # archives are read in blocks of this size
-_LIMITS = ReadLimits()  # what the loader will accept of a sample: spans and member sizes beyond are skipped here
-_Members = list[tuple[str, int, int]]  # (extension, header offset, size), in archive order
 
 
 @dataclasses.dataclass
@@ -81,157 +82,17 @@ class _Scanned:
 
     bytes: int
     sha256: str
-    samples: list[tuple[str, _Members]]
+    samples: list[tuple[str, Members]]
     skipped: list[dict[str, str]]
     ignored: int
     counts: dict[str, int]
-
-
-def _skip(url: str, member: str, key: str, reason: str) -> dict[str, str]:
-    return {"source": f"{url}:{member}", "key": key, "reason": f"{url}:{member}: {reason}"}
-
-
-def _members(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]],
-             counts: dict[str, int]) -> Iterator[tuple[ArchiveMember, str, str]]:
-    """(member, key, extension) of each regular file with a flat name; the rest skipped or ignored."""
-    for member in scanned:
-        name = member.name.removeprefix("./")
-        key, dot, ext = name.partition(".")
-        if member.directory:
-            counts["ignored"] += 1
-        elif member.problem is not None or "/" in name or not dot:
-            why = member.problem or ("in a folder inside the archive: only flat names are indexed" if "/" in name
-                                     else "no extension")
-            skipped.append(_skip(url, member.name, key, why))
-        else:
-            yield member, key, ext
-
-
-def _sa1b_samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]],
-                  counts: dict[str, int]) -> list[tuple[str, _Members]]:
-    """Each archive's jpg/json pairs, wherever in the archive either lies, checked as packing checks them."""
-    pending: dict[str, dict[str, ArchiveMember]] = {}  # the member whose partner has not come yet
-    held, done, samples = 0, set(), []
-    for member, key, ext in _members(url, scanned, skipped, counts):
-        if ext not in (SA1B_JPG, SA1B_JSON):
-            counts["ignored"] += 1
-            continue
-        try:
-            check_key(key)
-        except ValueError as exc:
-            skipped.append(_skip(url, member.name, key, str(exc)))
-            continue
-        entry = pending.setdefault(key, {}) if key not in done else {}
-        if key in done or ext in entry:
-            skipped.append(_skip(url, member.name, key, f"duplicate key {key!r} in this archive; kept the first"))
-            continue
-        entry[ext] = member
-        held += member.size
-        if held > _LIMITS.max_sample_bytes:
-            raise ShardError(url, f"more than {_LIMITS.max_sample_bytes} bytes of members wait for their pair at "
-                             f"{member.name!r}: the archive's samples are not kept together")
-        if len(entry) == 2:
-            del pending[key]
-            done.add(key)
-            held -= sum(m.size for m in entry.values())
-            sample = _sa1b_pair(url, key, entry, skipped)
-            if sample is not None:
-                samples.append(sample)
-                counts["masks"] += sample[2]
-    for key, entry in pending.items():
-        (ext, member), = entry.items()
-        missing = "JSON" if ext == SA1B_JPG else "image"
-        skipped.append(_skip(url, member.name, key, f"no {missing} for key {key!r} in this archive"))
-    return [(key, members) for key, members, _ in sorted(samples, key=lambda s: s[1][0][1])]
-
-
-def _sa1b_pair(url: str, key: str, entry: dict[str, ArchiveMember],
-               skipped: list[dict[str, str]]) -> tuple[str, _Members, int] | None:
-    """(key, members, masks) of a pair that packing would accept, else None (the reason skipped)."""
-    jpg, meta = entry[SA1B_JPG], entry[SA1B_JSON]
-    members = sorted([(ext, m.offset, m.size) for ext, m in entry.items()], key=lambda m: m[1])
-    end = members[-1][1] + BLOCK + members[-1][2]
-    if end - members[0][1] > _LIMITS.max_sample_bytes:
-        skipped.append(_skip(url, meta.name, key, f"the pair lies {end - members[0][1]} bytes apart, more than "
-                             f"max_sample_bytes={_LIMITS.max_sample_bytes}"))
-        return None
-    assert jpg.data is not None and meta.data is not None
-    try:
-        record, _ = check_pair(jpg.data, meta.data, f"{url}:{jpg.name}", f"{url}:{meta.name}", key)
-    except SampleError as exc:
-        skipped.append({"source": exc.url, "key": key, "reason": str(exc)})
-        return None
-    return key, members, len(record["counts"])
-
-
-def _webdataset_samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]],
-                        counts: dict[str, int]) -> list[tuple[str, _Members]]:
-    """Consecutive members of one key form a sample, as webdataset groups them (the key: the member's
-    path up to its basename's first dot, a `./` prefix dropped); a sample holding a member that
-    cannot be indexed is skipped whole, named."""
-    groups: list[tuple[str, list[ArchiveMember]]] = []
-    for member in scanned:
-        name = member.name.removeprefix("./")
-        base, dot, _ = posixpath.basename(name).partition(".")
-        if member.directory or not dot:
-            counts["ignored"] += 1
-            continue
-        key = posixpath.join(posixpath.dirname(name), base)
-        if not groups or groups[-1][0] != key:
-            groups.append((key, []))
-        groups[-1][1].append(member)
-    samples: list[tuple[str, _Members]] = []
-    seen: set[str] = set()
-    for key, group in groups:
-        members = [(m.name.removeprefix("./").partition(".")[2], m.offset, m.size) for m in group]
-        reason = _webdataset_problem(key, group, [ext for ext, _, _ in members], seen)
-        seen.add(key)
-        if reason:
-            skipped.append(_skip(url, group[0].name, key, reason))
-        else:
-            samples.append((key, members))
-    return samples
-
-
-def _webdataset_problem(key: str, group: list[ArchiveMember], exts: list[str], seen: set[str]) -> str | None:
-    """Why a group of members cannot be indexed as a sample, if so."""
-    for member, ext in zip(group, exts):
-        if member.problem is not None:
-            return f"member {member.name!r}: {member.problem}"
-        if not _ext_ok(ext):
-            return f"member {member.name!r}: extension {ext!r} is not lowercase letters and digits, joined by dots"
-    try:
-        check_key(key)
-    except ValueError as exc:
-        return str(exc)
-    if len(set(exts)) != len(exts):
-        return f"a member extension twice in one sample: {exts}"
-    if key in seen:
-        return f"duplicate key {key!r} (its members are not consecutive); kept the first"
-    if len(group) > _LIMITS.max_members:
-        return f"more than {_LIMITS.max_members} members"
-    return None
-
-
-def _ext_ok(ext: str) -> bool:
-    try:
-        check_ext(ext)
-    except ValueError:
-        return False
-    return True
-
-
-_KINDS: dict[str, tuple[Callable[..., list[tuple[str, _Members]]], Callable[[str], bool]]] = {
-    "sa1b": (_sa1b_samples, lambda name: name.endswith((f".{SA1B_JPG}", f".{SA1B_JSON}"))),
-    WEBDATASET: (_webdataset_samples, lambda name: False),  # (headers only: the user's decode checks the bytes)
-}
 
 
 def _scan(kind: str, url: str, storage_options: dict[str, Any] | None,
           check: Callable[[int], None] | None = None) -> _Scanned:
     """Read one archive front to back once: its samples, skipped inputs, SHA-256 and size. In a pool,
     `check(0)` before each read ends the scan once the pool is stopped."""
-    group, wanted = _KINDS[kind]
+    indexing = _INDEXED[kind]
     fs, path = filesystem(url, storage_options)
     digest, size = hashlib.sha256(), 0
     try:  # (a local archive only if it is a regular file: a FIFO or a device is skipped, named)
@@ -255,7 +116,7 @@ def _scan(kind: str, url: str, storage_options: dict[str, Any] | None,
     counts: collections.Counter[str] = collections.Counter()
     try:
         with opened as f:
-            samples = group(url, scan_archive(read, url, wanted, _LIMITS), skipped, counts)
+            samples = indexing.samples(url, scan_archive(read, url, indexing.wanted, LIMITS), skipped, counts)
             while read(_READ_BLOCK):  # (what follows the end-of-archive blocks: hashed too)
                 pass
     except FileNotFoundError as exc:
@@ -310,8 +171,8 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     bytes. The workers read the archives themselves, with `storage_options`: on a real cluster they
     must reach them (object storage, or a shared filesystem). Only the scans run there: this process
     writes the index files and the manifest."""
-    if kind not in _KINDS:
-        raise ValueError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_KINDS)}")
+    if kind not in _INDEXED:
+        raise ValueError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_INDEXED)}")
     options = PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped, dask=dask)  # (checked as packing does)
     started = time.monotonic()
     fs, base = filesystem(out, storage_options)
@@ -444,10 +305,10 @@ def _index(kind: str, urls: list[str], names: list[str], options: PackOptions, s
                 counts.update(result.counts)
                 ignored += result.ignored
                 skipped += result.skipped
-                by_split: dict[str, list[tuple[str, _Members]]] = {}
+                by_split: dict[str, list[tuple[str, Members]]] = {}
                 for (key, members), new in zip(result.samples, keys.add([key for key, _ in result.samples])):
                     if not new:
-                        skipped.append(_skip(url, f"{key}.{members[0][0]}", key, f"duplicate key {key!r} (in an earlier "
+                        skipped.append(skip(url, f"{key}.{members[0][0]}", key, f"duplicate key {key!r} (in an earlier "
                                              "archive); kept the first"))
                         continue
                     by_split.setdefault(split_of(key, splits), []).append((key, members))
@@ -489,11 +350,16 @@ def _index(kind: str, urls: list[str], names: list[str], options: PackOptions, s
     return summary, manifest
 
 
-def index_sa1b(sources: Sequence[str], out: str, **options: Any) -> IndexSummary:
-    """`index_archives("sa1b", ...)`: SA-1B archives as Meta ships them (`sa_<id>.jpg` + `sa_<id>.json`)."""
-    return index_archives("sa1b", sources, out, **options)
+def __getattr__(name: str) -> Callable[..., IndexSummary]:
+    """`index_KIND(sources, out, **options)`: `index_archives(KIND, sources, out, **options)`, for each
+    kind that can be indexed in place (`index_sa1b`, ...)."""
+    kind = name.removeprefix("index_")
+    if not name.startswith("index_") or kind not in _INDEXED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+    def index_kind(sources: Sequence[str], out: str, **options: Any) -> IndexSummary:
+        return index_archives(kind, sources, out, **options)
 
-def index_webdataset(sources: Sequence[str], out: str, **options: Any) -> IndexSummary:
-    """`index_archives("webdataset", ...)`: any WebDataset tars (members grouped by key)."""
-    return index_archives(WEBDATASET, sources, out, **options)
+    index_kind.__name__ = index_kind.__qualname__ = name
+    index_kind.__doc__ = f"`index_archives({kind!r}, ...)`: {_INDEXED[kind].what} (`shard-pack index {kind}`)."
+    return index_kind

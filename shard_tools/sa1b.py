@@ -1,5 +1,8 @@
 """SA-1B on the packing side: list `sa_<id>.jpg` + `sa_<id>.json` pairs in archives and folders,
 check each pair, and encode it as the sample members of `pipeline.format` (JPEG + msgpack record).
+`PACKING` declares the kind to `shard_tools.kinds`: its subcommand (`shard-pack sa1b`), its pairs
+found in archives indexed in place (`shard-pack index sa1b`), its preview (masks and boxes over the
+image) and its loader options as flags.
 
 With `image_max_side`, larger JPEGs are re-encoded to that long side; the annotations keep the
 original geometry and RLE, and the loader maps both into the same frame (see `pipeline.kinds.sa1b`).
@@ -7,26 +10,34 @@ original geometry and RLE, and the loader maps both into the same frame (see `pi
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import io
 import logging
 import posixpath
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from PIL import Image
+import numpy as np
+from PIL import Image, ImageDraw
 
-from pipeline.errors import InputError, SampleError
-from pipeline.format import SA1B_ANN, SA1B_JPG, check_key, pack_record, parse_json
-from pipeline.rle import fit
+from pipeline.errors import InputError, SampleError, ShardError
+from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_JSON, check_key, pack_record, parse_json
+from pipeline.rle import fit, nearest_index
 from pipeline.kinds.sa1b import annotation_record
 from pipeline.storage import filesystem
+from pipeline.tario import BLOCK, ArchiveMember
+import shard_tools.flags as flags
+from shard_tools.drawing import ALPHA, Drawing, Tiles, mask_colours, picture, tiled, wrap
+from shard_tools.flags import Subparsers, int_or_none
 from shard_tools.images import load_whole, resize_image
-from shard_tools.pack import Part, SampleRef
+from shard_tools.pack import Part, SampleRef, pack, parse_splits
+from shard_tools.plugin import KindOption, PackingKind
+from shard_tools.scan import LIMITS, Indexing, Members, flat_members, skip
 
-__all__ = ["Sa1bSource", "check_pair"]
+__all__ = ["PACKING", "Sa1bSource", "check_pair"]
 
 log = logging.getLogger(__name__)
 _ROLES = ("jpg", "json")
@@ -170,3 +181,124 @@ def _check_jpeg(data: bytes, size: tuple[int, int], where: str, key: str) -> tup
     except (OSError, SyntaxError, ValueError) as exc:
         raise SampleError(where, key, "jpg", f"truncated or corrupt JPEG: {exc}") from exc
     return size
+
+
+# -- `shard-pack sa1b` ------------------------------------------------------------------------------
+
+def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, parents=[flags.quiet(), flags.shards("samples"), flags.fractions(),
+                                      flags.images("re-encode larger JPEGs to this long side (masks stay exact)"),
+                                      flags.workers(dask=dask)],
+                       help="pack SA-1B (.tar archives and/or folders of sa_<id>.jpg + sa_<id>.json)")
+    p.add_argument("sources", nargs="+", metavar="SRC", help="SA-1B .tar archives or folders")
+    p.add_argument("out", metavar="OUT", help=flags.OUT)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    options = flags.pack_options(args, splits=parse_splits(args.split), max_skipped=args.max_skipped)
+    source = Sa1bSource(image_max_side=args.image_max_side, jpeg_quality=args.jpeg_quality)
+    return flags.summary(pack(source, args.sources, args.out, options, progress=not args.quiet))
+
+
+# -- `shard-pack index sa1b`: the pairs of archives as Meta ships them --------------------------------
+
+def _samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]],
+             counts: collections.Counter[str]) -> list[tuple[str, Members]]:
+    """Each archive's jpg/json pairs, wherever in the archive either lies, checked as packing checks them."""
+    pending: dict[str, dict[str, ArchiveMember]] = {}  # the member whose partner has not come yet
+    held, done, samples = 0, set(), []
+    for member, key, ext in flat_members(url, scanned, skipped, counts):
+        if ext not in (SA1B_JPG, SA1B_JSON):
+            counts["ignored"] += 1
+            continue
+        try:
+            check_key(key)
+        except ValueError as exc:
+            skipped.append(skip(url, member.name, key, str(exc)))
+            continue
+        entry = pending.setdefault(key, {}) if key not in done else {}
+        if key in done or ext in entry:
+            skipped.append(skip(url, member.name, key, f"duplicate key {key!r} in this archive; kept the first"))
+            continue
+        entry[ext] = member
+        held += member.size
+        if held > LIMITS.max_sample_bytes:
+            raise ShardError(url, f"more than {LIMITS.max_sample_bytes} bytes of members wait for their pair at "
+                             f"{member.name!r}: the archive's samples are not kept together")
+        if len(entry) == 2:
+            del pending[key]
+            done.add(key)
+            held -= sum(m.size for m in entry.values())
+            sample = _pair(url, key, entry, skipped)
+            if sample is not None:
+                samples.append(sample)
+                counts["masks"] += sample[2]
+    for key, entry in pending.items():
+        (ext, member), = entry.items()
+        missing = "JSON" if ext == SA1B_JPG else "image"
+        skipped.append(skip(url, member.name, key, f"no {missing} for key {key!r} in this archive"))
+    return [(key, members) for key, members, _ in sorted(samples, key=lambda s: s[1][0][1])]
+
+
+def _pair(url: str, key: str, entry: dict[str, ArchiveMember],
+          skipped: list[dict[str, str]]) -> tuple[str, Members, int] | None:
+    """(key, members, masks) of a pair that packing would accept, else None (the reason skipped)."""
+    jpg, meta = entry[SA1B_JPG], entry[SA1B_JSON]
+    members = sorted([(ext, m.offset, m.size) for ext, m in entry.items()], key=lambda m: m[1])
+    end = members[-1][1] + BLOCK + members[-1][2]
+    if end - members[0][1] > LIMITS.max_sample_bytes:
+        skipped.append(skip(url, meta.name, key, f"the pair lies {end - members[0][1]} bytes apart, more than "
+                            f"max_sample_bytes={LIMITS.max_sample_bytes}"))
+        return None
+    assert jpg.data is not None and meta.data is not None
+    try:
+        record, _ = check_pair(jpg.data, meta.data, f"{url}:{jpg.name}", f"{url}:{meta.name}", key)
+    except SampleError as exc:
+        skipped.append({"source": exc.url, "key": key, "reason": str(exc)})
+        return None
+    return key, members, len(record["counts"])
+
+
+def _wanted(name: str) -> bool:
+    return name.endswith((f".{SA1B_JPG}", f".{SA1B_JSON}"))
+
+
+# -- `shard-pack preview`: masks and boxes over the image -----------------------------------------
+
+def _tiles(batch: dict[str, Any], tile: int) -> Tiles:
+    """Each image cut to its frame, its masks scaled from the mask frame into it by the loader's own
+    nearest rule, each in its own colour (smaller over larger) at `ALPHA`, and each mask's box."""
+    tiles, m = [], batch["masks"].shape[-1]
+    for i in range(len(batch["keys"])):
+        shown = picture(batch["images"][i], batch["image_sizes"][i], tile)
+        (h, w), (tw, th) = batch["image_sizes"][i].tolist(), shown.size
+        mh, mw = fit(*batch["original_sizes"][i].tolist(), m)  # the mask frame
+        rows, cols = nearest_index(mh, th), nearest_index(mw, tw)
+        count = int(batch["mask_counts"][i])
+        colours = mask_colours(count)
+        paint, covered = np.zeros((th, tw, 3), np.float32), np.zeros((th, tw), bool)
+        for j in np.argsort(-batch["areas"][i, :count].cpu().numpy(), kind="stable"):  # smaller masks on top
+            inside = batch["masks"][i, j, :mh, :mw].cpu().numpy()[rows][:, cols]
+            paint[inside], covered = colours[j], covered | inside
+        pixels = np.asarray(shown, dtype=np.float32).copy()
+        pixels[covered] = (1 - ALPHA) * pixels[covered] + ALPHA * paint[covered]
+        shown = Image.fromarray(pixels.round().astype(np.uint8))
+        draw = ImageDraw.Draw(shown)
+        for j, (x0, y0, x1, y1) in enumerate(batch["boxes"][i, :count].tolist()):
+            box = [round(x0 * tw / w), round(y0 * th / h), round(x1 * tw / w) - 1, round(y1 * th / h) - 1]
+            draw.rectangle([box[0], box[1], max(box[0], box[2]), max(box[1], box[3])], outline=colours[j])
+        size = "x".join(map(str, batch["original_sizes"][i].tolist()))
+        tiles.append((shown, wrap(str(batch["keys"][i]), tile, 1) + [f"{count} masks, original {size}"]))
+    return tiles
+
+
+PACKING = PackingKind(
+    add=_add, run=_run,
+    index=Indexing(_samples, _wanted, help="SA-1B .tar archives (sa_<id>.jpg + sa_<id>.json), every pair checked as "
+                   "packing does", what="SA-1B as Meta ships it"),
+    preview=Drawing(tiled(_tiles), shows="SA-1B: masks and boxes over the image"),
+    options=(KindOption("--image-size", "SA-1B", int_or_none),
+             KindOption("--mask-size", "SA-1B (none = the image frame)", int_or_none),
+             KindOption("--max-masks", "SA-1B", int)),
+)

@@ -14,10 +14,14 @@ Bad input is skipped, named and listed: a record without image, question or answ
 record); a missing, unreadable, truncated or non-JPEG/PNG image, and an image that two splits
 reference (leakage), one entry per image and split, naming the image, the files and the records. A
 file whose layout cannot be told, or none of whose records fits its layout, stops the pack.
+
+`PACKING` declares the kind to `shard_tools.kinds`: its subcommand (`shard-pack vqa`), its preview
+(each image with its question and answer) and its loader options as flags.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import io
@@ -37,10 +41,14 @@ from pipeline.format import VQA_IMAGE_EXTS, VQA_RECORD, check_key, pack_record
 from pipeline.images import MAX_IMAGE_PIXELS
 from pipeline.rle import fit
 from pipeline.storage import filesystem
+import shard_tools.flags as flags
+from shard_tools.drawing import Drawing, Tiles, picture, tiled, wrap
+from shard_tools.flags import Subparsers, int_or_none
 from shard_tools.images import load_whole, resize_image
 from shard_tools.pack import PackError, PackOptions, PackSummary, Part, SampleRef, pack
+from shard_tools.plugin import KindOption, PackingKind
 
-__all__ = ["LAYOUTS", "VqaRef", "VqaSource", "detect_layout", "image_key", "pack_vqa"]
+__all__ = ["LAYOUTS", "PACKING", "VqaRef", "VqaSource", "detect_layout", "image_key", "pack_vqa"]
 
 log = logging.getLogger(__name__)
 
@@ -415,3 +423,60 @@ def pack_vqa(source: VqaSource, out: str, options: PackOptions | None = None, *,
     files, so `options.splits` is ignored."""
     options = dataclasses.replace(options or PackOptions(), splits=None)
     return pack(source, source.files, out, options, progress=progress, on_shard=on_shard)
+
+
+# -- `shard-pack vqa` -------------------------------------------------------------------------------
+
+def _split_file(text: str) -> tuple[str, str]:
+    name, _, file = text.partition("=")
+    if not name.strip() or not file.strip():
+        raise argparse.ArgumentTypeError(f"invalid split {text!r}: want NAME=FILE, e.g. train=train.json")
+    return name.strip(), file.strip()
+
+
+def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, parents=[flags.quiet(), flags.images("re-encode larger images to this long side (JPEG "
+                                                                  "stays JPEG, PNG stays lossless)"),
+                                      flags.shards("images"), flags.workers(skipped="records or images", dask=dask)],
+                       help="pack a VQA collection: question/answer files per split + an image folder")
+    p.add_argument("out", metavar="OUT", help=flags.OUT)
+    p.add_argument("--images", required=True, metavar="ROOT", help="folder (or URL) the records' image paths are in")
+    p.add_argument("--split", dest="splits", action="append", required=True, type=_split_file, metavar="NAME=FILE",
+                   help="a split and its annotation file (JSON list, or .jsonl); repeat for each split or file. An "
+                   "image referenced from several splits belongs to the first given")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), help="the files' layout (default: detected per file)")
+    p.add_argument("--image-key", help="for another layout: the record field holding the image path")
+    p.add_argument("--question-key", help="... the question")
+    p.add_argument("--answer-key", help="... the answer")
+    p.add_argument("--shared-images", choices=["skip", "keep"], default="skip", help="an image in several splits: "
+                   "skip its questions in the later splits as leakage (default), or keep it in each")
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    options = flags.pack_options(args, splits=None, max_skipped=args.max_skipped)
+    source = VqaSource(images=args.images, splits=tuple(args.splits), layout=args.layout, image_key=args.image_key,
+                       question_key=args.question_key, answer_key=args.answer_key, shared_images=args.shared_images,
+                       image_max_side=args.image_max_side, jpeg_quality=args.jpeg_quality)
+    return flags.summary(pack_vqa(source, args.out, options, progress=not args.quiet))
+
+
+# -- `shard-pack preview`: each image with its question and answer ----------------------------------
+
+def _tiles(batch: dict[str, Any], tile: int) -> Tiles:
+    tiles = []
+    for i in range(len(batch["keys"])):
+        questions, answers = batch["questions"][i], batch["answers"][i]
+        pairs = list(zip(questions, answers))[:3] if isinstance(questions, list) else [(questions, answers)]
+        text = wrap(str(batch["keys"][i]), tile, 1)
+        for question, answer in pairs:
+            text += wrap(f"Q: {question}", tile) + wrap(f"A: {answer}", tile)
+        tiles.append((picture(batch["images"][i], batch["image_sizes"][i], tile), text))
+    return tiles
+
+
+PACKING = PackingKind(
+    add=_add, run=_run, preview=Drawing(tiled(_tiles), shows="VQA: question and answer"),
+    options=(KindOption("--image-size", "VQA (VQA: none = as stored)", int_or_none),
+             KindOption("--per", "VQA", choices=("question", "image"))),
+)
