@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pipeline.checks import is_int_at_least
+from pipeline.errors import ConfigError
 from pipeline.plan import shuffle_name
 from pipeline.storage import Retry
 from pipeline.storage.places import check_roots
@@ -24,7 +25,7 @@ DATALOADER_SETTINGS = ("num_workers", "device", "pin_memory", "prefetch_factor",
 
 def _at_least(name: str, value: Any, low: int) -> None:
     if not is_int_at_least(value, low):
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,26 +81,26 @@ class LoaderConfig:
                           ("index_cache_bytes", 0), ("read_ahead_bytes", 0)):
             _at_least(name, getattr(self, name), low)
         if not is_int_at_least(self.prefetch_factor, 1):
-            raise ValueError("prefetch_factor must be an int >= 1 (batches each worker prepares ahead), "
-                             f"got {self.prefetch_factor!r}")
+            raise ConfigError("prefetch_factor must be an int >= 1 (batches each worker prepares ahead), "
+                              f"got {self.prefetch_factor!r}")
         shuffle_name(self.shuffle)
         amplification = self.read_amplification
         if isinstance(amplification, bool) or not isinstance(amplification, (int, float)) or not amplification >= 1:
-            raise ValueError(f"read_amplification must be a number >= 1 (bytes a span may read per byte of the samples "
-                             f"it serves), got {amplification!r}")
+            raise ConfigError(f"read_amplification must be a number >= 1 (bytes a span may read per byte of the samples "
+                              f"it serves), got {amplification!r}")
         if self.verify not in ("size", "sha256"):
-            raise ValueError(f"verify must be 'size' or 'sha256', got {self.verify!r}")
+            raise ConfigError(f"verify must be 'size' or 'sha256', got {self.verify!r}")
         if self.on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
+            raise ConfigError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
         budget = self.max_errors
         if not (budget is None or is_int_at_least(budget, 0)
                 or (isinstance(budget, float) and 0 < budget < 1)):
-            raise ValueError(f"max_errors must be None, an int >= 0 or a fraction in (0, 1), got {budget!r}")
+            raise ConfigError(f"max_errors must be None, an int >= 0 or a fraction in (0, 1), got {budget!r}")
         if (self.cache_dir is None) != (self.cache_limit is None):
-            raise ValueError(f"cache_dir and cache_limit go together, got {self.cache_dir!r} and {self.cache_limit!r}")
+            raise ConfigError(f"cache_dir and cache_limit go together, got {self.cache_dir!r} and {self.cache_limit!r}")
         if (self.rank is None) != (self.world_size is None):
-            raise ValueError(f"rank and world_size go together, got rank={self.rank!r} and world_size="
-                             f"{self.world_size!r}: pass both, or neither to take them from torch.distributed")
+            raise ConfigError(f"rank and world_size go together, got rank={self.rank!r} and world_size="
+                              f"{self.world_size!r}: pass both, or neither to take them from torch.distributed")
         if self.stats_every is not None:
             _at_least("stats_every", self.stats_every, 1)
         if self.world_size is not None:

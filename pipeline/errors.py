@@ -7,8 +7,8 @@ DataLoader worker reaches the training process with its type and attributes inta
 from __future__ import annotations
 
 __all__ = [
-    "ShardstreamError", "ManifestError", "ShardError", "ShardIndexError", "SampleError", "InputError", "RowError",
-    "PackError", "TooManySkipped", "PlanError", "RLEError", "excerpt",
+    "ShardstreamError", "ConfigError", "ManifestError", "DatasetError", "ShardError", "ShardIndexError", "SampleError",
+    "InputError", "RowError", "PackError", "TooManySkipped", "PlanError", "RLEError", "excerpt",
 ]
 
 
@@ -32,8 +32,28 @@ class ShardstreamError(Exception):
         return self.message if self.url is None else f"{self.url}: {self.message}"
 
 
+class ConfigError(ShardstreamError, ValueError):
+    """An argument or setting is not allowed (a LoaderConfig field, a kind's option, a World, a resume
+    state, a name or array given to the format's writers); its message names the value and what is allowed.
+
+    Also a ValueError, as these were before they joined this hierarchy: callers that catch ValueError still do."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+        self.url, self.message = None, message
+
+
 class ManifestError(ShardstreamError):
     """A dataset's manifest is missing, unreadable or inconsistent."""
+
+
+class DatasetError(ManifestError, ValueError):
+    """The datasets do not allow what was asked of them (a split one lacks, kinds or fields that do not mix,
+    too few samples for one batch, a first batch that breaks its kind's schema), or bytes decoded by
+    `pipeline.format` are malformed (their readers raise a SampleError or ShardError naming the file from it).
+
+    A ManifestError that is also a ValueError, as these were; ManifestError itself is not one, so that
+    `except ValueError` around a parse never swallows a manifest that cannot be read."""
 
 
 class ShardError(ShardstreamError):

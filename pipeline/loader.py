@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from pipeline.collate import Leases
 from pipeline.config import DATALOADER_SETTINGS, LoaderConfig
 from pipeline.device import prefetch_to_cuda, to_device
-from pipeline.errors import ManifestError
+from pipeline.errors import ConfigError, DatasetError, ManifestError
 from pipeline.format import Manifest
 from pipeline.index import SplitIndex
 from pipeline.kinds import Kind, kind_of
@@ -214,7 +214,7 @@ def _resolve_device(device: str | torch.device | None, pin_memory: bool | None) 
         )
     cuda = resolved is not None and resolved.type == "cuda"
     if pin_memory and not cuda:
-        raise ValueError("pin_memory=True needs device='cuda' (pinned memory only helps copies to the GPU)")
+        raise ConfigError("pin_memory=True needs device='cuda' (pinned memory only helps copies to the GPU)")
     return resolved, cuda if pin_memory is None else pin_memory
 
 
@@ -232,7 +232,7 @@ def _world(rank: int | None, world_size: int | None) -> World:
     if initialised and world_size != 1:
         group_rank, group_size = dist.get_rank(), dist.get_world_size()
         if group_size % world_size or (world_size == group_size and rank != group_rank):
-            raise ValueError(
+            raise ConfigError(
                 f"rank={rank}, world_size={world_size} disagree with torch.distributed (rank {group_rank} of "
                 f"{group_size}): pass neither to use torch.distributed's, world_size=1 for every process to read the whole split, or "
                 f"for data-parallel replicas a world_size dividing {group_size} with rank the replica's index")
@@ -247,9 +247,9 @@ def _check_picklable(kind: Kind, method: str) -> None:
     try:
         pickle.dumps(kind.options)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        raise ValueError(f"multiprocessing_context={method!r} sends the dataset to the workers by pickle, and an option "
-                         f"of the kind cannot be pickled ({exc}): define functions such as decode= and collate= at a "
-                         "module's top level (not a lambda or a local function), or use 'fork'") from exc
+        raise ConfigError(f"multiprocessing_context={method!r} sends the dataset to the workers by pickle, and an option "
+                          f"of the kind cannot be pickled ({exc}): define functions such as decode= and collate= at a "
+                          "module's top level (not a lambda or a local function), or use 'fork'") from exc
 
 
 def _config(config: LoaderConfig | None, settings: dict[str, Any]) -> tuple[LoaderConfig, dict[str, Any]]:
@@ -265,19 +265,19 @@ def _manifests(roots: list[str], split: str, config: LoaderConfig) -> list[Manif
     if config.verify == "sha256":
         remote = [root for root in roots if not is_local(filesystem(root, config.storage_options)[0])]
         if remote:
-            raise ValueError(f"verify='sha256' checks shards on local disk; {remote[0]} is on object storage (cached "
-                             "shards are always checked when downloaded; `shard-pack verify` checks a whole dataset)")
+            raise ConfigError(f"verify='sha256' checks shards on local disk; {remote[0]} is on object storage (cached "
+                              "shards are always checked when downloaded; `shard-pack verify` checks a whole dataset)")
     cache = ShardCache(config.cache_dir, config.cache_limit) if config.cache_dir is not None else None
     manifests = [read_manifest(root, config.storage_options, config.retry, cache) for root in roots]
     limit = config.limits.max_shard_bytes
     for root, manifest in zip(roots, manifests):
         if split not in manifest.splits:
-            raise ValueError(f"{root}: no split {split!r}; the dataset has {sorted(manifest.splits)}")
+            raise DatasetError(root, f"no split {split!r}; the dataset has {sorted(manifest.splits)}")
         places = Places(root, config.allowed_roots)
         for name in manifest.splits[split].names:  # (a name outside the folder and the allowed roots: refused now)
             places.url(name)
         if manifest.kind != manifests[0].kind:
-            raise ValueError(f"cannot mix kinds: {roots[0]} is {manifests[0].kind}, {root} is {manifest.kind}")
+            raise DatasetError(None, f"cannot mix kinds: {roots[0]} is {manifests[0].kind}, {root} is {manifest.kind}")
         shards = manifest.splits[split]
         if len(shards) and shards.shard_bytes.max() > limit:
             name = shards.names[int(shards.shard_bytes.argmax())]
@@ -285,7 +285,7 @@ def _manifests(roots: list[str], split: str, config: LoaderConfig) -> list[Manif
     if cache is not None:
         largest = max((int(m.splits[split].shard_bytes.max(initial=0)) for m in manifests), default=0)
         if cache.limit < largest:
-            raise ValueError(f"cache_limit={cache.limit} cannot hold the largest shard of split {split!r} ({largest} bytes)")
+            raise ConfigError(f"cache_limit={cache.limit} cannot hold the largest shard of split {split!r} ({largest} bytes)")
     return manifests
 
 
@@ -301,7 +301,7 @@ def _stream(source: str | Sequence[str], split: str, config: LoaderConfig, optio
         Mix.of([int(s.sizes.sum()) for s in sources], config.weights, config.epoch_size)
     stream = ShardStream(sources, mix, kind, config, world, max_workers=max_workers, **mode)
     if stream.batches() == 0:
-        raise ValueError(
+        raise DatasetError(None, 
             f"{', '.join(roots)}: split {split!r} gives {stream.total} samples per epoch, too few for one batch of "
             f"{config.batch_size} on each of {world.world_size} ranks with drop_last=True"
         )
@@ -389,12 +389,12 @@ def make_stream_dataset(source: str | Sequence[str], split: str, *, max_workers:
     Other arguments as `make_stream_loader`'s, but for the DataLoader's own.
     """
     if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
-        raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
+        raise ConfigError(f"max_workers must be an int >= 1, got {max_workers!r}")
     theirs = sorted(set(settings) & set(DATALOADER_SETTINGS))
     if theirs:
-        raise ValueError(f"make_stream_dataset does not take {theirs}: the DataLoader that iterates it decides those")
+        raise ConfigError(f"make_stream_dataset does not take {theirs}: the DataLoader that iterates it decides those")
     if settings.get("stats_every") is not None or (config is not None and config.stats_every is not None):
-        raise ValueError("make_stream_dataset does not take stats_every: it has no stats() (make_stream_loader's has)")
+        raise ConfigError("make_stream_dataset does not take stats_every: it has no stats() (make_stream_loader's has)")
     config, options = _config(config, settings)
     return _stream(source, split, config, options, max_workers=max_workers, finished=True, flatten=flatten,
                    split_workers=split_workers)[0]
@@ -405,5 +405,5 @@ def validate_first_batch(loader: StreamLoader) -> dict[str, Any]:
     batch = next(iter(loader))
     problems = loader.kind.check(batch, loader.epoch)
     if problems:
-        raise ValueError("first batch is invalid:\n  " + "\n  ".join(problems))
+        raise DatasetError(None, "first batch is invalid:\n  " + "\n  ".join(problems))
     return batch

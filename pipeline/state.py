@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pipeline.checks import is_int_at_least
+from pipeline.errors import ConfigError
 from pipeline.format import Manifest
 from pipeline.plan import Resume
 
@@ -41,7 +42,7 @@ class EpochState:
 
     def set(self, epoch: int, history: Sequence[Resume] = ()) -> None:
         if len(history) > MAX_STRETCHES:
-            raise ValueError(f"an epoch can be resumed at most {MAX_STRETCHES} times")
+            raise ConfigError(f"an epoch can be resumed at most {MAX_STRETCHES} times")
         values = [epoch, len(history)] + [v for h in history for v in (h.world_size, h.batches)]
         self.shared.zero_()
         self.shared[: len(values)] = torch.tensor(values, dtype=torch.int64)
@@ -50,7 +51,7 @@ class EpochState:
         """Play `epoch` from its beginning next, unless it is the current one (which keeps a
         resumption point); whether it changed."""
         if not is_int_at_least(epoch, 0):
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+            raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
         if epoch == self.epoch:
             return False
         self.set(epoch, ())
@@ -69,10 +70,10 @@ def resume_point(state: dict[str, Any], identity: dict[str, Any]) -> tuple[int, 
     `identity` says, or malformed."""
     for name, value in identity.items():
         if state.get(name) != value:
-            raise ValueError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
+            raise ConfigError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
     try:
         history = tuple(Resume(int(w), int(b)) for w, b in state["history"])
         epoch = int(state["epoch"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"cannot resume: malformed state ({exc})") from exc
+        raise ConfigError(f"cannot resume: malformed state ({exc})") from exc
     return epoch, history

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.errors import ConfigError
+
 __all__ = ["Clock", "Stage", "WorkerTable", "LoaderStats", "INPUT_BOUND", "verdict"]
 
 # "decode": the whole block, the reads' waits, opens and the kind's parts in it included; "active": a batch's work
@@ -92,7 +94,7 @@ class WorkerTable:
     def __init__(self, kind_stages: Sequence[str], workers: int) -> None:
         clash = set(kind_stages) & set(WORKER_STAGES)
         if clash or len(set(kind_stages)) != len(kind_stages):
-            raise ValueError(f"a kind's stages must be distinct and other than {WORKER_STAGES}, got {kind_stages}")
+            raise ConfigError(f"a kind's stages must be distinct and other than {WORKER_STAGES}, got {kind_stages}")
         self.stages = (*WORKER_STAGES, *kind_stages)
         self.kind_stages = tuple(kind_stages)
         self.table = torch.zeros(max(1, workers), len(self.stages) + 2, dtype=torch.int64).share_memory_()

@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from pipeline.collate import Leases
 from pipeline.config import LoaderConfig
-from pipeline.errors import ShardError, ShardstreamError
+from pipeline.errors import ConfigError, ShardError, ShardstreamError
 from pipeline.index import SplitIndex, Where, group, locate
 from pipeline.kinds import Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_batch_count, rank_sample_count
@@ -93,8 +93,8 @@ class ShardStream(IterableDataset):
         info = get_worker_info() if self.split_workers else None
         world = World(self.rank, self.world_size, info.id if info else 0, info.num_workers if info else 1)
         if world.num_workers > self.skipped.shape[1]:
-            raise ValueError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
-                             f"({self.skipped.shape[1]}); pass max_workers")
+            raise ConfigError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
+                              f"({self.skipped.shape[1]}); pass max_workers")
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
         clock = self.times.clock()
         made = self._batches(world, self.state.epoch, self.state.history, clock)
@@ -189,7 +189,7 @@ class ShardStream(IterableDataset):
                 finally:
                     reads.done(where)
             except ShardstreamError as exc:
-                if cfg.on_error == "raise":
+                if cfg.on_error == "raise" or isinstance(exc, ConfigError):  # (a setting's error is no sample's)
                     raise
                 count = len(unit) if self.kind.grouped else 1
                 self.skipped[:, worker] += count

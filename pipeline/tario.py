@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 from pipeline.checks import is_int_at_least
-from pipeline.errors import ShardError, excerpt
+from pipeline.errors import ConfigError, DatasetError, ShardError, excerpt
 from pipeline.format import check_key
 
 __all__ = ["BLOCK", "ArchiveMember", "ReadLimits", "ShardWriter", "parse_sample", "sample_members", "scan_archive"]
@@ -46,7 +46,7 @@ class ReadLimits:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not is_int_at_least(value, 1):
-                raise ValueError(f"{field.name} must be a positive int, got {value!r}")
+                raise ConfigError(f"{field.name} must be a positive int, got {value!r}")
 
 
 def _header(name: str, size: int) -> bytes:
@@ -75,12 +75,12 @@ class ShardWriter:
     def add(self, key: str, members: Sequence[tuple[str, bytes]]) -> None:
         check_key(key)
         if not members:
-            raise ValueError(f"sample {key!r} has no members")
+            raise ConfigError(f"sample {key!r} has no members")
         self.keys.append(key)
         self.members.append([])
         for ext, data in members:
             if not _EXT_RE.fullmatch(ext):
-                raise ValueError(f"invalid member extension {ext!r}")
+                raise ConfigError(f"invalid member extension {ext!r}")
             self.members[-1].append((ext, self.size, len(data)))
             self._write(_header(f"{key}.{ext}", len(data)))
             self._write(data)
@@ -104,7 +104,7 @@ def _octal(field: bytes, name: str) -> int:
     """A tar header's octal number field; a ValueError naming the field, never echoing its bytes."""
     text = field.rstrip(b"\0 ").lstrip(b" ")
     if not text or not text.isdigit() or b"8" in text or b"9" in text:
-        raise ValueError(f"its {name} field is not an octal number")
+        raise DatasetError(None, f"its {name} field is not an octal number")
     return int(text, 8)
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from pipeline.checks import is_int_at_least
+from pipeline.errors import ConfigError
 from pipeline.loader import make_stream_dataset
 from pipeline.tario import ReadLimits
 
@@ -25,7 +26,7 @@ __all__ = ["trainer_dataset", "trl_dataset"]
 
 def _positive(name: str, value: Any) -> int:
     if not is_int_at_least(value, 1):
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
     return value
 
 
@@ -38,7 +39,7 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
         rank = dist.get_rank() if initialised else 0
     _positive("world_size", world_size)
     if not (is_int_at_least(rank, 0) and rank < world_size):
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        raise ConfigError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     return rank, world_size
 
 
@@ -76,8 +77,8 @@ def trainer_dataset(
     _positive("batch_size", batch_size)
     rank, world_size = _world(rank, world_size)
     if not drop_last and world_size > 1:
-        raise ValueError(f"drop_last=False needs a single process, got world_size={world_size}: a short last batch "
-                         "is padded with repeated samples by accelerate, or leaves ranks out of step")
+        raise ConfigError(f"drop_last=False needs a single process, got world_size={world_size}: a short last batch "
+                          "is padded with repeated samples by accelerate, or leaves ranks out of step")
     if shard_ranks:
         return make_stream_dataset(source, split, batch_size=batch_size, flatten=True, drop_last=drop_last, rank=rank,
                                    world_size=world_size, max_workers=max_workers, **kwargs)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.errors import ShardIndexError
+from pipeline.errors import ConfigError, DatasetError, ShardIndexError
 from pipeline.format.names import _EXT_RE, _KEY_BYTES
 
 __all__ = ["INDEX_EXT", "INDEX_VERSION", "INDEX_MAGIC", "MAX_INDEX_SAMPLES", "MAX_INDEX_BYTES", "BLOCK_BYTES",
@@ -77,7 +77,7 @@ class ShardIndex:
     def sample_members(self, i: int) -> list[tuple[str, int, int]]:
         """(extension, header offset, data bytes) of each member of sample `i`, in shard order."""
         if self.members is None:
-            raise ValueError("this index does not record members (made from a schema-2 manifest)")
+            raise DatasetError(None, "this index does not record members (made from a schema-2 manifest)")
         ends, offsets, sizes, exts = self.members
         first = int(ends[i - 1]) if i else 0
         return [(self.exts[e], o, s) for e, o, s in zip(exts[first : ends[i]].tolist(), offsets[first : ends[i]].tolist(),
@@ -88,7 +88,8 @@ class ShardIndex:
         """The index of samples given as key, units and members (extension, header offset, data bytes)."""
         exts = tuple(sorted({ext for sample in members for ext, _, _ in sample}))
         if len(exts) > 256 or len("\n".join(exts)) > 4096:  # (what `from_bytes` reads back)
-            raise ValueError(f"{len(exts)} distinct member extensions: an index holds at most 256, in 4096 bytes")
+            raise DatasetError(None, f"{len(exts)} distinct member extensions: an index holds at most 256, "
+                                     "in 4096 bytes")
         number = {ext: i for i, ext in enumerate(exts)}
         flat = [m for sample in members for m in sample]
         offsets = np.asarray([o for _, o, _ in flat], dtype=np.int64)
@@ -104,7 +105,7 @@ class ShardIndex:
     def to_bytes(self, shard_bytes: int) -> bytes:
         """The index file: a fixed header, then the arrays and the key and extension tables (little-endian)."""
         if self.members is None:
-            raise ValueError("an index without members cannot be written")
+            raise ConfigError("an index without members cannot be written")
         ends, offsets, sizes, exts = self.members
         ext_table = "\n".join(self.exts).encode()
         header = _INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, 0, self.samples, len(offsets), len(self.keys),

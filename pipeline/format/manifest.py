@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import ManifestError
+from pipeline.errors import ConfigError, DatasetError, ManifestError
 from pipeline.format.index import ShardIndex, index_name
 from pipeline.format.members import KIND_NAMES
 from pipeline.format.names import _EXT_RE, _INDEX_RE, _SHA_RE, _SHARD_RE, _shard_name_ok, check_shard_name
@@ -98,7 +98,8 @@ class Split(Sequence[ShardInfo]):
 
     def to_json(self) -> dict[str, Any]:
         if any(i is None for i in self.indexes):
-            raise ValueError("shards without an index file cannot be listed in a schema-3 manifest (shard-pack upgrade)")
+            raise DatasetError(None, "shards without an index file cannot be listed in a schema-3 manifest "
+                                     "(shard-pack upgrade)")
         columns = [self.names, self.sample_counts.tolist(), self.unit_counts.tolist(), self.shard_bytes.tolist(),
                    self.sha256, [i.name for i in self.indexes], [i.bytes for i in self.indexes],  # type: ignore[union-attr]
                    [i.sha256 for i in self.indexes]]  # type: ignore[union-attr]
@@ -150,11 +151,11 @@ class Manifest:
         object.__setattr__(self, "splits", splits)
         object.__setattr__(self, "members", tuple(self.members))
         if self.origin not in ORIGINS:
-            raise ValueError(f"origin must be one of {ORIGINS}, got {self.origin!r}")
+            raise ConfigError(f"origin must be one of {ORIGINS}, got {self.origin!r}")
         if (self.origin == "indexed") != bool(self.members) or list(self.members) != sorted(set(self.members)) or \
                 not all(isinstance(e, str) and _EXT_RE.fullmatch(e) for e in self.members):
-            raise ValueError(f"members {self.members!r}: a dataset indexed in place lists its member extensions "
-                             "(sorted, distinct), a packed one none")
+            raise ConfigError(f"members {self.members!r}: a dataset indexed in place lists its member extensions "
+                              "(sorted, distinct), a packed one none")
         for split in splits.values():
             for name in split.names:
                 check_shard_name(name, self.origin)

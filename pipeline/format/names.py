@@ -7,6 +7,8 @@ import re
 
 import numpy as np
 
+from pipeline.errors import ConfigError
+
 __all__ = ["shard_name", "check_key", "check_ext", "check_shard_name"]
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_\-]{1,80}")
@@ -28,14 +30,14 @@ def shard_name(split: str, index: int) -> str:
 def check_key(key: str) -> str:
     """Keys are flat names (letters, digits, `_`, `-`; at most 80): safe in tar, URLs and file systems."""
     if not _KEY_RE.fullmatch(key):
-        raise ValueError(f"invalid sample key {key!r}: allowed are 1-80 of [A-Za-z0-9_-]")
+        raise ConfigError(f"invalid sample key {key!r}: allowed are 1-80 of [A-Za-z0-9_-]")
     return key
 
 
 def check_ext(ext: str) -> str:
     """Member extensions are lowercase letters and digits, in parts joined by dots (`jpg`, `seg.png`)."""
     if not _EXT_RE.fullmatch(ext):
-        raise ValueError(f"invalid member extension {ext!r}: want lowercase letters and digits, joined by dots")
+        raise ConfigError(f"invalid member extension {ext!r}: want lowercase letters and digits, joined by dots")
     return ext
 
 
@@ -44,8 +46,8 @@ def check_shard_name(name: str, origin: str) -> str:
     the dataset's folder; an archive indexed in place is a `.tar` path relative to it (no `.` or `..`
     component) or an absolute path or URL (none either), without control characters."""
     if not _shard_name_ok(name, origin):
-        raise ValueError(f"shard name {name!r} is not allowed in a {origin} dataset: want " +
-                         ("<letters, digits, _ ->.tar" if origin == "packed" else
+        raise ConfigError(f"shard name {name!r} is not allowed in a {origin} dataset: want " +
+                          ("<letters, digits, _ ->.tar" if origin == "packed" else
                           "a .tar path relative to the dataset folder, an absolute path or a URL, no . or .. parts"))
     return name
 

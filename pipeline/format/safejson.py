@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.errors import DatasetError
+
 __all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "parse_json"]
 
 MAX_JSON_BYTES = 64 << 20  # JSON members parsed by the reader (SA-1B's largest annotation files: ~10 MB)
@@ -18,10 +20,10 @@ def parse_json(data: bytes | memoryview, max_bytes: int = MAX_JSON_BYTES, max_de
     """Parse untrusted JSON within a size and a nesting limit, both checked before parsing (so nesting
     never reaches Python's recursion limit); ValueError on anything else, or on JSON that is not valid."""
     if len(data) > max_bytes:
-        raise ValueError(f"{len(data)} bytes of JSON, more than the limit of {max_bytes}")
+        raise DatasetError(None, f"{len(data)} bytes of JSON, more than the limit of {max_bytes}")
     data = bytes(data)
     if _depth(data) > max_depth:
-        raise ValueError(f"JSON nested deeper than {max_depth} levels")
+        raise DatasetError(None, f"JSON nested deeper than {max_depth} levels")
     return json.loads(data)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from pipeline.errors import ConfigError
 from pipeline.format import Manifest
 from pipeline.kinds.embeddings import Embeddings
 from pipeline.kinds.sa1b import Sa1b
@@ -71,10 +72,10 @@ def kind_of(manifests: Sequence[Manifest], limits: Any, **options: Any) -> Kind:
     not take is refused with its name."""
     name = manifests[0].kind
     if name != "webdataset" and {"decode", "collate"} & set(options):
-        raise ValueError(f"decode= and collate= are for webdataset datasets (`shard-pack index webdataset`); {name} "
-                         f"datasets are decoded by their kind, pipeline.kinds.{name} (its options: see make_stream_loader)")
+        raise ConfigError(f"decode= and collate= are for webdataset datasets (`shard-pack index webdataset`); {name} "
+                          f"datasets are decoded by their kind, pipeline.kinds.{name} (its options: see make_stream_loader)")
     try:
         return KINDS[name].of(manifests, limits, **options)
     except TypeError as exc:  # an option this kind does not have
-        raise ValueError(f"{name} datasets do not take these options {sorted(options)}, nor are they loader "
-                         f"settings (see LoaderConfig): {exc}") from exc
+        raise ConfigError(f"{name} datasets do not take these options {sorted(options)}, nor are they loader "
+                          f"settings (see LoaderConfig): {exc}") from exc

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pipeline.collate import empty, rows as rows_of
-from pipeline.errors import ManifestError, SampleError
+from pipeline.errors import ConfigError, DatasetError, ManifestError, SampleError
 from pipeline.format import (
     BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, column_offsets, storage_dtype,
     unpack_columns,
@@ -53,19 +53,19 @@ class Field:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier() or self.name == EMB_ROW:
-            raise ValueError(f"field name must be an identifier other than {EMB_ROW!r}, got {self.name!r}")
+            raise ConfigError(f"field name must be an identifier other than {EMB_ROW!r}, got {self.name!r}")
         if self.dtype not in COLUMN_DTYPES:
-            raise ValueError(f"field {self.name!r}: dtype {self.dtype!r} not allowed; allowed: {list(COLUMN_DTYPES)}")
+            raise ConfigError(f"field {self.name!r}: dtype {self.dtype!r} not allowed; allowed: {list(COLUMN_DTYPES)}")
         if not isinstance(self.shape, tuple) or not all(type(d) is int and d >= 0 for d in self.shape):
-            raise ValueError(f"field {self.name!r}: shape must be a tuple of ints >= 0, got {self.shape!r}")
+            raise ConfigError(f"field {self.name!r}: shape must be a tuple of ints >= 0, got {self.shape!r}")
         if self.range is not None and not (
                 isinstance(self.range, tuple) and len(self.range) == 2
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in self.range)
                 and self.range[0] <= self.range[1]):
-            raise ValueError(f"field {self.name!r}: range must be (low, high) finite numbers, low <= high; got {self.range!r}")
+            raise ConfigError(f"field {self.name!r}: range must be (low, high) finite numbers, low <= high; got {self.range!r}")
         if self.bound is not None and (type(self.bound) is not int or self.bound < 1 or self.dtype in _FLOATS + ("bool",)):
-            raise ValueError(f"field {self.name!r}: a reference bound must be an int >= 1 on an integer field, "
-                             f"got {self.bound!r} on {self.dtype}")
+            raise ConfigError(f"field {self.name!r}: a reference bound must be an int >= 1 on an integer field, "
+                              f"got {self.bound!r} on {self.dtype}")
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
@@ -95,30 +95,30 @@ class EmbeddingsOptions:
 
     def __post_init__(self) -> None:
         if not self.schema or not all(isinstance(f, Field) for f in self.schema):
-            raise ValueError("schema must be a non-empty tuple of Field")
+            raise ConfigError("schema must be a non-empty tuple of Field")
         names = [f.name for f in self.schema]
         if len(set(names)) != len(names):
-            raise ValueError(f"schema has duplicate field names: {names}")
+            raise ConfigError(f"schema has duplicate field names: {names}")
         if type(self.rows) is not int or self.rows < 1:
-            raise ValueError(f"rows must be an int >= 1, got {self.rows!r}")
+            raise ConfigError(f"rows must be an int >= 1, got {self.rows!r}")
         if self.fields is not None:
             fields = (self.fields,) if isinstance(self.fields, str) else tuple(self.fields)
             unknown = [f for f in fields if f not in names]
             if unknown or not fields or len(set(fields)) != len(fields):
-                raise ValueError(f"fields {list(fields)}: want distinct names among {names} (unknown: {unknown})")
+                raise ConfigError(f"fields {list(fields)}: want distinct names among {names} (unknown: {unknown})")
             object.__setattr__(self, "fields", fields)
         take = tuple(sorted(dict(self.take).items()))  # picklable and hashable, whatever mapping was given
         object.__setattr__(self, "take", take)
         for name, value in take:
             field = self.field(name) if name in names else None
             if field is None or name not in self.selected:
-                raise ValueError(f"take: {name!r} is not a field batches hold ({list(self.selected)})")
+                raise ConfigError(f"take: {name!r} is not a field batches hold ({list(self.selected)})")
             if not field.shape:
-                raise ValueError(f"take: field {name!r} has no axis to take from (one value per row)")
+                raise ConfigError(f"take: field {name!r} has no axis to take from (one value per row)")
             if not callable(value):
                 self._take(name, value, 0)
         if not isinstance(self.check_values, bool):
-            raise ValueError(f"check_values must be a bool, got {self.check_values!r}")
+            raise ConfigError(f"check_values must be a bool, got {self.check_values!r}")
 
     def field(self, name: str) -> Field:
         return next(f for f in self.schema if f.name == name)
@@ -130,8 +130,8 @@ class EmbeddingsOptions:
     def _take(self, name: str, value: Any, epoch: int) -> int:
         count = self.field(name).shape[0]
         if type(value) is not int or not 0 <= value <= count:
-            raise ValueError(f"take[{name!r}] must be an int in [0, {count}] (or a function of the epoch giving one); "
-                             f"got {value!r} for epoch {epoch}")
+            raise ConfigError(f"take[{name!r}] must be an int in [0, {count}] (or a function of the epoch giving one); "
+                              f"got {value!r} for epoch {epoch}")
         return value
 
     def takes(self, epoch: int) -> dict[str, int]:
@@ -176,8 +176,8 @@ def _schema(manifest: Manifest, url: str) -> tuple[tuple[Field, ...], int]:
 def _merge(a: Field, b: Field) -> Field:
     """One field of two datasets being mixed: the same dtype and shape; the looser declared limits."""
     if (a.dtype, a.shape) != (b.dtype, b.shape):
-        raise ValueError(f"cannot mix datasets whose field {a.name!r} differs: {a.dtype}{list(a.shape)} vs "
-                         f"{b.dtype}{list(b.shape)}")
+        raise DatasetError(None, f"cannot mix datasets whose field {a.name!r} differs: {a.dtype}{list(a.shape)} vs "
+                                 f"{b.dtype}{list(b.shape)}")
     rng = None if a.range is None or b.range is None else (min(a.range[0], b.range[0]), max(a.range[1], b.range[1]))
     bound = None if a.bound is None or b.bound is None else max(a.bound, b.bound)
     return Field(a.name, a.dtype, a.shape, rng, bound)
@@ -190,7 +190,8 @@ def options_from_manifests(manifests: Sequence[Manifest], **options: Any) -> Emb
     for manifest in manifests[1:]:
         other, other_rows = _schema(manifest, url)
         if [f.name for f in other] != [f.name for f in schema]:
-            raise ValueError(f"cannot mix datasets with fields {[f.name for f in schema]} and {[f.name for f in other]}")
+            raise DatasetError(None, f"cannot mix datasets with fields {[f.name for f in schema]} and "
+                                     f"{[f.name for f in other]}")
         schema, rows = tuple(_merge(a, b) for a, b in zip(schema, other)), max(rows, other_rows)
     return EmbeddingsOptions(schema, rows, **options)
 

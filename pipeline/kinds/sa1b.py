@@ -20,7 +20,7 @@ import numpy.random  # noqa: F401  (imported on first use otherwise: ~20 ms of e
 import torch
 
 from pipeline.collate import empty, padded_images, unpack_bits
-from pipeline.errors import SampleError, excerpt
+from pipeline.errors import ConfigError, SampleError, excerpt
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
@@ -65,16 +65,16 @@ class Sa1bOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 1:
-            raise ValueError(f"image_size must be a positive int, got {self.image_size!r}")
+            raise ConfigError(f"image_size must be a positive int, got {self.image_size!r}")
         if self.mask_size is not None and (not isinstance(self.mask_size, int) or self.mask_size < 1):
-            raise ValueError(f"mask_size must be a positive int or None, got {self.mask_size!r}")
+            raise ConfigError(f"mask_size must be a positive int or None, got {self.mask_size!r}")
         if not callable(self.max_masks):
             self.masks_for(0)
 
     def masks_for(self, epoch: int) -> int:
         value = self.max_masks(epoch) if callable(self.max_masks) else self.max_masks
         if not isinstance(value, int) or value < 0:
-            raise ValueError(f"max_masks must be an int >= 0 (or a function of the epoch giving one), got {value!r}")
+            raise ConfigError(f"max_masks must be an int >= 0 (or a function of the epoch giving one), got {value!r}")
         return value
 
     @property

@@ -26,7 +26,7 @@ from PIL import Image
 
 from pipeline.collate import padded_images, rows
 from pipeline.checks import is_int_at_least
-from pipeline.errors import SampleError, excerpt
+from pipeline.errors import ConfigError, SampleError, excerpt
 from pipeline.format import (
     VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, unpack_record,
 )
@@ -61,15 +61,15 @@ class VqaOptions:
 
     def __post_init__(self) -> None:
         if self.per not in PER:
-            raise ValueError(f"per must be one of {PER}, got {self.per!r}")
+            raise ConfigError(f"per must be one of {PER}, got {self.per!r}")
         if self.image_size is not None and not is_int_at_least(self.image_size, 1):
-            raise ValueError(f"image_size must be a positive int or None (as stored), got {self.image_size!r}")
+            raise ConfigError(f"image_size must be a positive int or None (as stored), got {self.image_size!r}")
         if not isinstance(self.max_image_pixels, int) or self.max_image_pixels < 1:
-            raise ValueError(f"max_image_pixels must be a positive int, got {self.max_image_pixels!r}")
+            raise ConfigError(f"max_image_pixels must be a positive int, got {self.max_image_pixels!r}")
         if self.form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
+            raise ConfigError(f"form must be one of {FORMS}, got {self.form!r}")
         if self.form == "trl" and self.per != "question":
-            raise ValueError("the TRL form is one prompt per question: per must be 'question'")
+            raise ConfigError("the TRL form is one prompt per question: per must be 'question'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import default_collate
 
 from pipeline.collate import rows
-from pipeline.errors import SampleError, ShardstreamError
+from pipeline.errors import ConfigError, SampleError, ShardstreamError
 from pipeline.stats import Clock
 
 __all__ = ["WebDataset", "WebDatasetOptions"]
@@ -39,7 +39,7 @@ class WebDatasetOptions:
     def __post_init__(self) -> None:
         for name in ("decode", "collate"):
             if not callable(getattr(self, name)):
-                raise ValueError(f"{name} must be a function, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be a function, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +64,9 @@ class WebDataset:
     def of(cls, manifests: Sequence[Any], limits: Any, *, decode: Any = None,
            collate: Any = None) -> WebDataset:
         if decode is None:
-            raise ValueError("a webdataset dataset (indexed by `shard-pack index webdataset`) is decoded by your own "
-                             "function: pass decode=fn, fn(members: dict[str, bytes]) -> sample (see "
-                             "pipeline.kinds.webdataset)")
+            raise ConfigError("a webdataset dataset (indexed by `shard-pack index webdataset`) is decoded by your own "
+                              "function: pass decode=fn, fn(members: dict[str, bytes]) -> sample (see "
+                              "pipeline.kinds.webdataset)")
         return cls(WebDatasetOptions(decode, default_collate if collate is None else collate))
 
     @classmethod
@@ -104,8 +104,8 @@ class WebDataset:
             if isinstance(batch, dict) else set()
         if not isinstance(batch, dict) or len(lengths) != 1 or \
                 not all(isinstance(v, (torch.Tensor, list)) for v in batch.values()):
-            raise ValueError(f"flatten needs batches that are a dict of tensors and lists of one length; this collate "
-                             f"makes a {type(batch).__name__}: use make_stream_dataset without flatten")
+            raise ConfigError(f"flatten needs batches that are a dict of tensors and lists of one length; this collate "
+                              f"makes a {type(batch).__name__}: use make_stream_dataset without flatten")
         return rows(batch)
 
     def check(self, batch: Any, epoch: int) -> list[str]:

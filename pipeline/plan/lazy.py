@@ -15,6 +15,7 @@ from typing import overload
 
 import numpy as np
 
+from pipeline.errors import ConfigError
 from pipeline.plan.mixing import Mix, MixedOrder, epoch_samples
 from pipeline.plan.partition import RankSpan, Resume, World, rank_span
 from pipeline.plan.shuffle import get_shuffle
@@ -93,7 +94,7 @@ def plan_epoch(
     source) of each batch `world`'s worker yields. `sources` holds each source's shard sizes; one
     source needs no `mix`. A lazy sequence: its batches are computed a chunk at a time."""
     if seed < 0 or epoch < 0 or batch_size < 1 or window < 1:
-        raise ValueError(f"need seed >= 0, epoch >= 0, batch_size >= 1, window >= 1; got {seed}, {epoch}, {batch_size}, {window}")
+        raise ConfigError(f"need seed >= 0, epoch >= 0, batch_size >= 1, window >= 1; got {seed}, {epoch}, {batch_size}, {window}")
     span = rank_span(epoch_samples(sources, mix), world.world_size, world.rank, batch_size, drop_last, history)
     order: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
     if mix is None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.errors import ConfigError, PlanError
 from pipeline.plan.shuffle import Order, get_shuffle, shuffle_name
 from pipeline.seeds import MixStep, Purpose
 
@@ -42,16 +43,16 @@ class Mix:
         largest-remainder rule, so the shares match the weights to within one sample."""
         if weights is None:
             if epoch_size is not None:
-                raise ValueError("epoch_size needs weights")
+                raise ConfigError("epoch_size needs weights")
             return cls(tuple(sizes))
         w = np.asarray(weights, dtype=np.float64)
         if len(w) != len(sizes) or not (np.isfinite(w).all() and (w > 0).all()):
-            raise ValueError(f"weights must be {len(sizes)} positive numbers, got {list(weights)}")
+            raise ConfigError(f"weights must be {len(sizes)} positive numbers, got {list(weights)}")
         w = w / w.sum()
         if epoch_size is None:
             epoch_size = int(min(np.floor(n / f + 1e-9) for n, f in zip(sizes, w)))
         if epoch_size < 0 or any(n == 0 for n in sizes):
-            raise ValueError(f"cannot mix sources of sizes {list(sizes)} into {epoch_size} samples")
+            raise PlanError(f"cannot mix sources of sizes {list(sizes)} into {epoch_size} samples")
         exact = epoch_size * w
         counts = np.floor(exact).astype(np.int64)
         counts[np.argsort(-(exact - counts), kind="stable")[: epoch_size - int(counts.sum())]] += 1

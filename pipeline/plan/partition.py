@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.errors import PlanError
+from pipeline.errors import ConfigError, PlanError
 
 __all__ = [
     "World", "Resume", "RankSpan", "rank_span", "rank_batch_sizes", "rank_batch_count", "rank_sample_count",
@@ -38,9 +38,9 @@ class World:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} not in [0, world_size={self.world_size})")
+            raise ConfigError(f"rank {self.rank} not in [0, world_size={self.world_size})")
         if not 0 <= self.worker < self.num_workers:
-            raise ValueError(f"worker {self.worker} not in [0, num_workers={self.num_workers})")
+            raise ConfigError(f"worker {self.worker} not in [0, num_workers={self.num_workers})")
 
 
 def _span_starts(total: int, world_size: int, ranks: np.ndarray, batch_size: int, drop_last: bool) -> np.ndarray:
@@ -93,7 +93,7 @@ class Resume:
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.batches < 0:
-            raise ValueError(f"invalid resume point {self}")
+            raise ConfigError(f"invalid resume point {self}")
 
 
 def _runs_at_indices(starts: np.ndarray, cum: np.ndarray, lo: np.ndarray,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from pipeline.errors import ConfigError
 from pipeline.seeds import Purpose
 
 __all__ = ["Order", "Shuffle", "SHUFFLES", "shuffle_name", "get_shuffle", "epoch_order"]
@@ -75,7 +76,7 @@ def shuffle_name(shuffle: bool | str) -> str:
     """The table's name for a `shuffle` setting: True is "shards-then-window", False is "none"."""
     name = ("shards-then-window" if shuffle else "none") if isinstance(shuffle, bool) else shuffle
     if name not in SHUFFLES:
-        raise ValueError(f"shuffle must be True, False or one of {sorted(SHUFFLES)}, got {shuffle!r}")
+        raise ConfigError(f"shuffle must be True, False or one of {sorted(SHUFFLES)}, got {shuffle!r}")
     return name  # type: ignore[return-value]
 
 

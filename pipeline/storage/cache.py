@@ -19,7 +19,7 @@ from typing import NoReturn
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.errors import ShardError
+from pipeline.errors import ConfigError, ShardError
 import pipeline.storage.locks as locks
 from pipeline.storage.fs import write_bytes
 from pipeline.storage.local import pread, sha256_file
@@ -198,7 +198,7 @@ class ShardCache:
 
     def __init__(self, directory: str, limit: int) -> None:
         if not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"cache_limit must be a positive number of bytes, got {limit!r}")
+            raise ConfigError(f"cache_limit must be a positive number of bytes, got {limit!r}")
         os.makedirs(directory, exist_ok=True)
         self.directory, self.limit = directory, limit
 

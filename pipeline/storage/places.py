@@ -19,7 +19,7 @@ import posixpath
 import re
 from collections.abc import Sequence
 
-from pipeline.errors import ShardError
+from pipeline.errors import ConfigError, ShardError
 
 __all__ = ["ALLOW", "Places", "check_roots", "within"]
 
@@ -49,8 +49,8 @@ def check_roots(roots: Sequence[str]) -> tuple[str, ...]:
     """`allowed_roots` as given, checked: a list of non-empty paths or URLs (a single string is
     refused: it would be read as a list of characters)."""
     if isinstance(roots, (str, bytes)) or not all(isinstance(r, str) and r.strip() for r in roots):
-        raise ValueError(f"allowed_roots must be a list of paths or URLs (places outside a dataset's folder that its "
-                         f"manifest may name), got {roots!r}")
+        raise ConfigError(f"allowed_roots must be a list of paths or URLs (places outside a dataset's folder that its "
+                          f"manifest may name), got {roots!r}")
     return tuple(roots)
 
 

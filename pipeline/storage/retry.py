@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from pipeline.checks import is_int_at_least
+from pipeline.errors import ConfigError
 
 __all__ = ["Retry", "Tries", "Truncated", "describe", "http_status", "throttled", "transient", "with_retries"]
 
@@ -53,13 +54,13 @@ class Retry:
 
     def __post_init__(self) -> None:
         if not is_int_at_least(self.attempts, 1):
-            raise ValueError(f"attempts must be an int >= 1, got {self.attempts!r}")
+            raise ConfigError(f"attempts must be an int >= 1, got {self.attempts!r}")
         if not (0 <= self.initial_delay <= self.max_delay):
-            raise ValueError(f"need 0 <= initial_delay <= max_delay, got {self.initial_delay}, {self.max_delay}")
+            raise ConfigError(f"need 0 <= initial_delay <= max_delay, got {self.initial_delay}, {self.max_delay}")
         budget = self.throttle_seconds
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget < float("inf"):
-            raise ValueError(f"throttle_seconds must be a finite number of seconds >= 0 (how long a throttled request "
-                             f"is retried; 0: throttling uses up tries as other failures do), got {budget!r}")
+            raise ConfigError(f"throttle_seconds must be a finite number of seconds >= 0 (how long a throttled request "
+                              f"is retried; 0: throttling uses up tries as other failures do), got {budget!r}")
 
     def delay(self, failures: int) -> float:
         return min(self.max_delay, self.initial_delay * 2 ** (failures - 1)) * random.uniform(0.5, 1.5)
