@@ -45,3 +45,41 @@ def test_the_check_finds_a_long_function(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(61))
     (tmp_path / "m.py").write_text(f'def f():\n    """Docs\n    not counted."""\n{body}\n\n\nclass C:\n    pass\n')
     assert _oversized(tmp_path / "m.py") == ["FunctionDef f (line 1): 62 lines, more than 60"]
+
+
+# Beyond a kind's two modules and the two registries, what may name a kind: the format's table of
+# each kind's members (on-disk names: one owner of the format), the package's public `Sa1bSource`,
+# the pip extra called `embeddings`, and a log line's advice.
+KIND_NAMED_ALSO = {"pipeline/format/members.py", "pipeline/format/__init__.py", "shard_tools/__init__.py",
+                   "shard_tools/arrays.py", "pipeline/storage/local.py"}
+
+
+def _names_in_code(path: pathlib.Path) -> str:
+    """The names and string literals of a module's code, docstrings left out, as one lowercase text."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(body[0].value) for node in ast.walk(tree) if isinstance(node, (*LIMITS, ast.Module))
+                  and (body := node.body) and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)}
+    words = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words.append(node.value)
+        elif isinstance(node, ast.Name):
+            words.append(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.append(node.attr)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            words += [getattr(node, "module", None) or "", *(alias.name for alias in node.names)]
+    return "\n".join(words).lower()
+
+
+def test_a_kind_lives_in_its_two_modules_and_the_two_registries():
+    from pipeline.kinds import KINDS as READING
+    from shard_tools.kinds import KINDS as PACKING
+
+    assert set(PACKING) <= set(READING), "every packing kind can be read"
+    generators = ("sample_", "demo", "synthetic", "locals3")  # (sample data: not the kinds' code)
+    texts = {str(p.relative_to(ROOT)): _names_in_code(p) for p in FILES if not p.name.startswith(generators)}
+    for kind in READING:
+        own = {f"pipeline/kinds/{kind}.py", f"shard_tools/{kind}.py", "pipeline/kinds/__init__.py", "shard_tools/kinds.py"}
+        knowing = {path for path, text in texts.items() if kind in text}
+        assert knowing - own <= KIND_NAMED_ALSO, (kind, sorted(knowing - own - KIND_NAMED_ALSO))
