@@ -207,7 +207,8 @@ class ShardReader:
             if data is None:
                 self._refuse_mismatched(name, url, sha256, key)
                 if download:
-                    self._download(name, size, sha256).wait(60.0)  # (until its file is there to read from)
+                    if (started := self._download(name, size, sha256)) is not None:
+                        started.wait(60.0)  # (until its file is there to read from: it starts at once)
                 else:
                     self._deferred.setdefault(name, (size, sha256))
                 data = self.cache.read_arriving(sha256, start, end, patience=60.0 if download else 0.0)
@@ -247,15 +248,16 @@ class ShardReader:
         for name, (size, sha256) in deferred.items():
             self._download(name, size, sha256)
 
-    def _download(self, name: str, size: int, sha256: str) -> threading.Event:
+    def _download(self, name: str, size: int, sha256: str) -> threading.Event | None:
         """Start the shard's download into the cache unless this process runs it already: an event set
-        once its file is there for readers (`cache.read_arriving`), or it ended."""
+        once its file is there for readers (`cache.read_arriving`), or it ended; None while it waits
+        for one of the `DOWNLOADS` running (not worth waiting for: read by range meanwhile)."""
         assert self.cache is not None
         cache, (_, _, url, ranged) = self.cache, self._place(name)
         with self._lock:
             running = self._downloads.get(name)
             if running is not None and not running.done():
-                return self._started[name]
+                return self._started[name] if running.running() else None
             if running is not None and running.exception() is not None:
                 failed = running.exception()
                 log.log(logging.INFO if isinstance(failed, CacheFull) else logging.WARNING,
@@ -263,12 +265,13 @@ class ShardReader:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="shardstream-cache")
 
+            busy = sum(not future.done() for future in self._downloads.values())
             started = self._started[name] = threading.Event()
             future = self._pool.submit(cache.fetch, url, size, sha256, ranged.stream, actual_size=ranged.known_size,
                                        started=started.set)
             future.add_done_callback(lambda done: (started.set(), self._settled(name, done)))
             self._downloads[name] = future
-            return started
+            return started if busy < DOWNLOADS else None
 
     def _settled(self, name: str, future: concurrent.futures.Future[str | None]) -> None:
         exc = None if future.cancelled() else future.exception()
