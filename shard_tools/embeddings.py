@@ -40,7 +40,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from pipeline.kinds.embeddings import Field, value_problem
-from pipeline.errors import InputError, RowError
+from pipeline.errors import ConfigError, InputError, RowError
 from pipeline.format import EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
 from pipeline.storage import sha256_file
 from pipeline.tario import ReadLimits
@@ -122,7 +122,7 @@ class EmbeddingsSource:
         """Read the schema and check every array and split; raises InputError (RowError for a bad
         value: file, field, row and value) before anything is written."""
         if rows_per_block is not None and (type(rows_per_block) is not int or rows_per_block < 1):
-            raise ValueError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
+            raise ConfigError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
         root = os.path.abspath(root)
         schema_path, spec = _read_schema(root, schema)
         entries = [_open_field(root, schema_path, name, entry) for name, entry in spec["fields"].items()]
@@ -166,7 +166,7 @@ class EmbeddingsSource:
     def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
         """One sample per block of each split: `rows_per_block` rows, in row order."""
         if [os.path.abspath(s) for s in sources] != [self.root]:
-            raise ValueError(f"this source packs {self.root}, not {list(sources)}")
+            raise ConfigError(f"this source packs {self.root}, not {list(sources)}")
         refs = []
         for split in self.splits:
             rows = self._rows(split)
@@ -321,8 +321,8 @@ def _block_rows(fields: Sequence[SourceField], rows_per_block: int | None) -> in
     if rows_per_block is None:
         rows_per_block = min(MAX_BLOCK_ROWS, 1 << max(0, (BLOCK_BYTES // row_bytes).bit_length() - 1))
     if rows_per_block * row_bytes > ReadLimits.max_member_bytes - 4096:
-        raise ValueError(f"rows_per_block={rows_per_block} makes blocks of {rows_per_block * row_bytes} bytes, more "
-                         f"than a reader accepts ({ReadLimits.max_member_bytes}); use fewer rows per block")
+        raise ConfigError(f"rows_per_block={rows_per_block} makes blocks of {rows_per_block * row_bytes} bytes, more "
+                          f"than a reader accepts ({ReadLimits.max_member_bytes}); use fewer rows per block")
     return rows_per_block
 
 
@@ -368,7 +368,7 @@ def pack_embeddings(root: str, out: str, *, schema: str | None = None, rows_per_
     `options.splits` must be None: the schema's split index files say which rows go where."""
     options = options or PackOptions(splits=None)
     if options.splits is not None:
-        raise ValueError("embeddings take their splits from the schema's index files: use PackOptions(splits=None)")
+        raise ConfigError("embeddings take their splits from the schema's index files: use PackOptions(splits=None)")
     source = EmbeddingsSource.load(root, schema, rows_per_block)
     return pack(source, [source.root], out, options, progress=progress)
 

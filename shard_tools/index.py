@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import InputError, PackError, ShardError, TooManySkipped
+from pipeline.errors import ConfigError, InputError, PackError, ShardError, TooManySkipped
 from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, check_shard_name
 from pipeline.storage import filesystem, is_local, join, read_manifest, write_bytes
 from pipeline.storage.local import open_regular
@@ -172,7 +172,7 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     must reach them (object storage, or a shared filesystem). Only the scans run there: this process
     writes the index files and the manifest."""
     if kind not in _INDEXED:
-        raise ValueError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_INDEXED)}")
+        raise ConfigError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_INDEXED)}")
     options = PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped, dask=dask)  # (checked as packing does)
     started = time.monotonic()
     fs, base = filesystem(out, storage_options)

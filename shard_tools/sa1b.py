@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pipeline.errors import InputError, SampleError, ShardError
+from pipeline.errors import ConfigError, InputError, SampleError, ShardError
 from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_JSON, check_key, pack_record, parse_json
 from pipeline.rle import fit, nearest_index
 from pipeline.kinds.sa1b import annotation_record
@@ -58,9 +58,9 @@ class Sa1bSource:
 
     def __post_init__(self) -> None:
         if self.image_max_side is not None and (not isinstance(self.image_max_side, int) or self.image_max_side < 16):
-            raise ValueError(f"image_max_side must be an int >= 16 or None, got {self.image_max_side!r}")
+            raise ConfigError(f"image_max_side must be an int >= 16 or None, got {self.image_max_side!r}")
         if not 1 <= self.jpeg_quality <= 95:
-            raise ValueError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
+            raise ConfigError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
 
     def options(self) -> dict[str, Any]:
         return {"image_max_side": self.image_max_side, "jpeg_quality": self.jpeg_quality if self.image_max_side else None}

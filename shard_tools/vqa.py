@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 from PIL import Image, UnidentifiedImageError
 
-from pipeline.errors import InputError, SampleError
+from pipeline.errors import ConfigError, InputError, SampleError
 from pipeline.format import VQA_IMAGE_EXTS, VQA_RECORD, check_key, pack_record
 from pipeline.images import MAX_IMAGE_PIXELS
 from pipeline.rle import fit
@@ -265,27 +265,27 @@ class VqaSource:
     def __post_init__(self) -> None:
         if not isinstance(self.splits, tuple) or not self.splits or not all(
                 isinstance(s, tuple) and len(s) == 2 and all(isinstance(x, str) for x in s) for s in self.splits):
-            raise ValueError(f"splits must be a non-empty tuple of (name, file) pairs, got {self.splits!r}")
+            raise ConfigError(f"splits must be a non-empty tuple of (name, file) pairs, got {self.splits!r}")
         for name, file in self.splits:
             if not name.isidentifier():
-                raise ValueError(f"split name {name!r} (for {file}) must be an identifier, e.g. train, val, test")
+                raise ConfigError(f"split name {name!r} (for {file}) must be an identifier, e.g. train, val, test")
         if len({file for _, file in self.splits}) != len(self.splits):
-            raise ValueError(f"an annotation file is given twice: {[f for _, f in self.splits]}")
+            raise ConfigError(f"an annotation file is given twice: {[f for _, f in self.splits]}")
         keys = (self.image_key, self.question_key, self.answer_key)
         if any(k is not None for k in keys) and not all(isinstance(k, str) and k for k in keys):
-            raise ValueError(f"give all three of image_key, question_key, answer_key, got {keys}")
+            raise ConfigError(f"give all three of image_key, question_key, answer_key, got {keys}")
         if self.layout is not None and self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {sorted(LAYOUTS)} or None (detect), got {self.layout!r}")
+            raise ConfigError(f"layout must be one of {sorted(LAYOUTS)} or None (detect), got {self.layout!r}")
         if self.layout == "mapped" and self.image_key is None:
-            raise ValueError("layout 'mapped' needs image_key, question_key and answer_key")
+            raise ConfigError("layout 'mapped' needs image_key, question_key and answer_key")
         if self.image_key is not None and self.layout not in (None, "mapped"):
-            raise ValueError(f"image_key, question_key and answer_key make the mapped layout, not {self.layout!r}")
+            raise ConfigError(f"image_key, question_key and answer_key make the mapped layout, not {self.layout!r}")
         if self.shared_images not in ("skip", "keep"):
-            raise ValueError(f"shared_images must be 'skip' or 'keep', got {self.shared_images!r}")
+            raise ConfigError(f"shared_images must be 'skip' or 'keep', got {self.shared_images!r}")
         if self.image_max_side is not None and (not isinstance(self.image_max_side, int) or self.image_max_side < 16):
-            raise ValueError(f"image_max_side must be an int >= 16 or None, got {self.image_max_side!r}")
+            raise ConfigError(f"image_max_side must be an int >= 16 or None, got {self.image_max_side!r}")
         if not isinstance(self.jpeg_quality, int) or not 1 <= self.jpeg_quality <= 95:
-            raise ValueError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
+            raise ConfigError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
 
     @property
     def files(self) -> list[str]:
@@ -316,7 +316,7 @@ class VqaSource:
         """One reference per (split, image) with that split's questions about the image, and the
         records and images skipped. `sources` are the annotation files of `splits` (see `pack_vqa`)."""
         if list(sources) != self.files:
-            raise ValueError(f"sources must be the annotation files of splits, {self.files}, got {list(sources)}")
+            raise ConfigError(f"sources must be the annotation files of splits, {self.files}, got {list(sources)}")
         mapped = (self.image_key, self.question_key, self.answer_key) if self.image_key is not None else None
         listing = _Listing()
         for split, file in self.splits:
