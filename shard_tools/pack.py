@@ -314,7 +314,8 @@ def _listed(source: Source, sources: Sequence[str]) -> tuple[list[SampleRef], li
     refs, skipped = source.index(sources)
     if not refs:
         first = f"; the first: {skipped[0]['reason']}" if skipped else ""
-        raise InputError(", ".join(sources), f"no {source.kind} samples to pack ({len(skipped)} inputs skipped{first})")
+        raise InputError(f"no {source.kind} samples to pack ({len(skipped)} inputs skipped{first})",
+                         url=", ".join(sources))
     return refs, skipped
 
 

@@ -179,9 +179,10 @@ def _load(file: str) -> list[Any]:
     try:
         records = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise InputError(file, f"not valid JSON: {exc}"[:300]) from exc
+        raise InputError(f"not valid JSON: {exc}"[:300], url=file) from exc
     if not isinstance(records, list):
-        raise InputError(file, f"holds a JSON {type(records).__name__}, want a list of records (or JSON Lines in .jsonl)")
+        raise InputError(f"holds a JSON {type(records).__name__}, want a list of records (or JSON Lines in .jsonl)",
+                         url=file)
     return records
 
 
@@ -216,7 +217,7 @@ class _Listing:
         that does not fit is skipped; PackError when none fits."""
         records = _load(file)
         if not records:
-            raise InputError(file, "no records: nothing to pack")
+            raise InputError("no records: nothing to pack", url=file)
         layout = layout or detect_layout(records, file)
         good, first_problem = 0, ""
         for i, record in enumerate(records):
@@ -378,7 +379,8 @@ class VqaSource:
         try:
             data = fs.cat_file(path)
         except OSError as exc:
-            raise SampleError(part.name, ref.key, "image", f"cannot read the image: {exc}; {lost}") from exc
+            raise SampleError(f"cannot read the image: {exc}; {lost}",
+                              url=part.name, key=ref.key, field="image") from exc
         fmt, mode, (height, width) = _check_image(data, part.name, ref.key, lost)
         stored = (height, width)
         if self.image_max_side and max(height, width) > self.image_max_side:
@@ -406,13 +408,13 @@ def _check_image(data: bytes, where: str, key: str, lost: str) -> tuple[str, str
             fmt, mode, size = image.format, image.mode, (image.height, image.width)
             fmt = "JPEG" if fmt == "MPO" else fmt  # a camera's multi-picture JPEG: its first picture is the JPEG
             if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise SampleError(where, key, "image", f"{image.width}x{image.height} pixels exceed the cap "
-                                  f"{MAX_IMAGE_PIXELS}; {lost}")
+                raise SampleError(f"{image.width}x{image.height} pixels exceed the cap "
+                                  f"{MAX_IMAGE_PIXELS}; {lost}", url=where, key=key, field="image")
             load_whole(image, jpeg=fmt == "JPEG")
     except UnidentifiedImageError as exc:
-        raise SampleError(where, key, "image", f"not a JPEG or PNG image; {lost}") from exc
+        raise SampleError(f"not a JPEG or PNG image; {lost}", url=where, key=key, field="image") from exc
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise SampleError(where, key, "image", f"truncated or corrupt image: {exc}; {lost}") from exc
+        raise SampleError(f"truncated or corrupt image: {exc}; {lost}", url=where, key=key, field="image") from exc
     assert fmt in VQA_IMAGE_EXTS
     return fmt, mode, size
 
