@@ -1,10 +1,13 @@
 """The project's exceptions: every one names the file, shard or sample it is about.
 
-Their `args` are their constructor arguments, so they pickle faithfully: an error raised in a
-DataLoader worker reaches the training process with its type and attributes intact.
+Each takes its message first and the rest as keywords (`ShardError(message, url=url)`). They pickle
+from their attributes (`ShardstreamError.__reduce__`): an error raised in a DataLoader worker reaches
+the training process with its type and attributes intact.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "ShardstreamError", "ConfigError", "ManifestError", "DatasetError", "ShardError", "ShardIndexError", "SampleError",
@@ -24,12 +27,23 @@ class ShardstreamError(Exception):
     """Base class of every error this project raises on purpose: a message about one URL (None where it is
     about no one file: a split that cannot be planned, one mask of a sample)."""
 
-    def __init__(self, url: str | None, message: str) -> None:
-        super().__init__(url, message)
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        super().__init__(message)
         self.url, self.message = url, message
 
     def __str__(self) -> str:
         return self.message if self.url is None else f"{self.url}: {self.message}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.message, dict(vars(self)))
+
+
+def _rebuild(cls: type[ShardstreamError], message: str, attributes: dict[str, Any]) -> ShardstreamError:
+    """An unpickled error: its class, `args` (the message) and attributes as they were, with no
+    constructor run (a subclass's keywords need not be known here)."""
+    error = cls.__new__(cls, message)
+    error.__dict__.update(attributes)
+    return error
 
 
 class ConfigError(ShardstreamError, ValueError):
@@ -39,8 +53,7 @@ class ConfigError(ShardstreamError, ValueError):
     Also a ValueError, as these were before they joined this hierarchy: callers that catch ValueError still do."""
 
     def __init__(self, message: str) -> None:
-        Exception.__init__(self, message)
-        self.url, self.message = None, message
+        super().__init__(message)
 
 
 class ManifestError(ShardstreamError):
@@ -67,9 +80,9 @@ class ShardIndexError(ShardError):
 class SampleError(ShardstreamError):
     """One sample (or one of its fields) of a shard or of a packing source is invalid."""
 
-    def __init__(self, url: str, key: str, field: str | None, message: str) -> None:
-        Exception.__init__(self, url, key, field, message)
-        self.url, self.key, self.field, self.message = url, key, field, message
+    def __init__(self, message: str, *, url: str, key: str, field: str | None = None) -> None:
+        super().__init__(message, url=url)
+        self.key, self.field = key, field
 
     def __str__(self) -> str:
         where = f"sample {self.key!r}" + (f", field {self.field!r}" if self.field else "")
@@ -84,9 +97,9 @@ class InputError(ShardstreamError):
 class RowError(InputError):
     """One value of an input array breaks its schema (NaN, out of range, a reference out of bounds)."""
 
-    def __init__(self, url: str, field: str, row: int, value: str, message: str) -> None:
-        Exception.__init__(self, url, field, row, value, message)
-        self.url, self.field, self.row, self.value, self.message = url, field, row, value, message
+    def __init__(self, message: str, *, url: str, field: str, row: int, value: str) -> None:
+        super().__init__(message, url=url)
+        self.field, self.row, self.value = field, row, value
 
     def __str__(self) -> str:
         return f"{self.url}: field {self.field!r}, row {self.row}: value {self.value}: {self.message}"
@@ -98,8 +111,7 @@ class PackError(ShardstreamError):
     Its message names the folder or file itself, so it takes no URL (the message is as it always was)."""
 
     def __init__(self, message: str) -> None:
-        Exception.__init__(self, message)
-        self.url, self.message = None, message
+        super().__init__(message)
 
 
 class TooManySkipped(PackError):
@@ -112,8 +124,7 @@ class PlanError(ShardstreamError, ValueError):
     Also a ValueError, as it was before it joined this hierarchy: callers that catch ValueError still do."""
 
     def __init__(self, message: str) -> None:
-        Exception.__init__(self, message)
-        self.url, self.message = None, message
+        super().__init__(message)
 
 
 class RLEError(ShardstreamError, ValueError):
@@ -121,9 +132,9 @@ class RLEError(ShardstreamError, ValueError):
 
     A ValueError too, as it was; readers turn it into a SampleError that names the shard and sample."""
 
-    def __init__(self, index: int, message: str) -> None:
-        Exception.__init__(self, index, message)
-        self.url, self.index, self.message = None, index, message
+    def __init__(self, message: str, *, index: int) -> None:
+        super().__init__(message)
+        self.index = index
 
     def __str__(self) -> str:
         return f"mask {self.index}: {self.message}"

@@ -42,7 +42,7 @@ def open_image(data: bytes, formats: Sequence[str], url: str, key: str, field: s
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=list(formats))
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
-        raise SampleError(url, key, field, f"cannot decode {'/'.join(formats)}: {exc}") from exc
+        raise SampleError(f"cannot decode {'/'.join(formats)}: {exc}", url=url, key=key, field=field) from exc
     try:
         _check_pixels(image.height, image.width, max_pixels, url, key, field)
     except SampleError:
@@ -53,7 +53,7 @@ def open_image(data: bytes, formats: Sequence[str], url: str, key: str, field: s
 
 def _check_pixels(height: int, width: int, max_pixels: int, url: str, key: str, field: str) -> None:
     if width * height > max_pixels:
-        raise SampleError(url, key, field, f"{width}x{height} pixels exceed the cap {max_pixels}")
+        raise SampleError(f"{width}x{height} pixels exceed the cap {max_pixels}", url=url, key=key, field=field)
 
 
 def to_rgb(image: Image.Image) -> np.ndarray:
@@ -68,7 +68,8 @@ def to_rgb(image: Image.Image) -> np.ndarray:
 
 def _check_size(height: int, width: int, size: tuple[int, int] | None, url: str, key: str, field: str) -> None:
     if size is not None and (height, width) != tuple(size):
-        raise SampleError(url, key, field, f"image is {height}x{width}, the record says {size[0]}x{size[1]}")
+        raise SampleError(f"image is {height}x{width}, the record says {size[0]}x{size[1]}",
+                          url=url, key=key, field=field)
 
 
 def _draft_scale(height: int, width: int, frame: tuple[int, int]) -> int:
@@ -115,7 +116,7 @@ def decode_image(data: bytes, frame: tuple[int, int] | None, url: str, key: str,
                     image.draft("RGB", (frame[1], frame[0]))  # JPEG only; other formats ignore it
                 rgb = to_rgb(image)
         except (OSError, ValueError, SyntaxError) as exc:
-            raise SampleError(url, key, field, f"cannot decode {'/'.join(formats)}: {exc}") from exc
+            raise SampleError(f"cannot decode {'/'.join(formats)}: {exc}", url=url, key=key, field=field) from exc
     pixels = torch.from_numpy(rgb).permute(2, 0, 1)
     if frame is None or pixels.shape[1:] == tuple(frame):
         return pixels

@@ -272,16 +272,17 @@ def _manifests(roots: list[str], split: str, config: LoaderConfig) -> list[Manif
     limit = config.limits.max_shard_bytes
     for root, manifest in zip(roots, manifests):
         if split not in manifest.splits:
-            raise DatasetError(root, f"no split {split!r}; the dataset has {sorted(manifest.splits)}")
+            raise DatasetError(f"no split {split!r}; the dataset has {sorted(manifest.splits)}", url=root)
         places = Places(root, config.allowed_roots)
         for name in manifest.splits[split].names:  # (a name outside the folder and the allowed roots: refused now)
             places.url(name)
         if manifest.kind != manifests[0].kind:
-            raise DatasetError(None, f"cannot mix kinds: {roots[0]} is {manifests[0].kind}, {root} is {manifest.kind}")
+            raise DatasetError(f"cannot mix kinds: {roots[0]} is {manifests[0].kind}, {root} is {manifest.kind}")
         shards = manifest.splits[split]
         if len(shards) and shards.shard_bytes.max() > limit:
             name = shards.names[int(shards.shard_bytes.argmax())]
-            raise ManifestError(shard_url(root, name), f"{shards.shard_bytes.max()} bytes, more than max_shard_bytes={limit}")
+            raise ManifestError(f"{shards.shard_bytes.max()} bytes, more than max_shard_bytes={limit}",
+                                url=shard_url(root, name))
     if cache is not None:
         largest = max((int(m.splits[split].shard_bytes.max(initial=0)) for m in manifests), default=0)
         if cache.limit < largest:
@@ -301,7 +302,7 @@ def _stream(source: str | Sequence[str], split: str, config: LoaderConfig, optio
         Mix.of([int(s.sizes.sum()) for s in sources], config.weights, config.epoch_size)
     stream = ShardStream(sources, mix, kind, config, world, max_workers=max_workers, **mode)
     if stream.batches() == 0:
-        raise DatasetError(None, 
+        raise DatasetError(
             f"{', '.join(roots)}: split {split!r} gives {stream.total} samples per epoch, too few for one batch of "
             f"{config.batch_size} on each of {world.world_size} ranks with drop_last=True"
         )
@@ -405,5 +406,5 @@ def validate_first_batch(loader: StreamLoader) -> dict[str, Any]:
     batch = next(iter(loader))
     problems = loader.kind.check(batch, loader.epoch)
     if problems:
-        raise DatasetError(None, "first batch is invalid:\n  " + "\n  ".join(problems))
+        raise DatasetError("first batch is invalid:\n  " + "\n  ".join(problems))
     return batch

@@ -125,7 +125,7 @@ class ProcessReaders:
             return None
         self.opened = Opened(self.config.unit_cache_bytes)
         more = f" (and {len(problems) - 1} more shards)" if len(problems) > 1 else ""
-        return ShardError(problems[0][0], problems[0][1] + more)
+        return ShardError(problems[0][1] + more, url=problems[0][0])
 
     def __getstate__(self) -> dict[str, Any]:  # (spawned workers make their own readers)
         return {**self.__dict__, "pid": None, "readers": [], "opened": None}
@@ -157,8 +157,8 @@ class _Spans:
                 with self.lock:
                     first_failure, self.left[i] = self.left[i] >= 0, -1  # (its other spans then set nothing)
                 if first_failure:
-                    error = ShardError(self.url, f"sample {self.wanted[i][1]!r}: "
-                                       f"{exc.message if isinstance(exc, ShardError) else describe(exc)}")
+                    error = ShardError(f"sample {self.wanted[i][1]!r}: "
+                                       f"{exc.message if isinstance(exc, ShardError) else describe(exc)}", url=self.url)
                     error.__cause__ = exc
                     self.futures[i].set_exception(error)
             return
@@ -253,8 +253,9 @@ class SampleReads:
         _, info, index, at = self._sample((number, sample))
         size = self.readers[number].size(info.name, index.key(at))
         if size != info.bytes:
-            raise ShardError(shard_url(self.sources[number].root, info.name), f"sample {index.key(at)!r}: shard is {size} "
-                             f"bytes, the manifest says {info.bytes}")
+            raise ShardError(f"sample {index.key(at)!r}: shard is {size} "
+                             f"bytes, the manifest says {info.bytes}",
+                             url=shard_url(self.sources[number].root, info.name))
 
     def _ranges(self, where: Where) -> tuple[ShardInfo, str, list[tuple[int, int, Members | None]]]:
         """(the shard, the sample's key, the byte ranges that read it: a range per run of its members
@@ -263,12 +264,12 @@ class SampleReads:
         key, url = index.key(at), shard_url(self.sources[where[0]].root, info.name)
         members = index.sample_members(at) if index.members is not None else None
         if members is not None and len(members) > self.limits.max_members:
-            raise ShardError(url, f"sample {key!r}: more than {self.limits.max_members} members")
+            raise ShardError(f"sample {key!r}: more than {self.limits.max_members} members", url=url)
         ranges = member_ranges(members) if members is not None else [(*index.span(at), None)]
         size = sum(end - start for start, end, _ in ranges)
         if size > self.limits.max_sample_bytes:
-            raise ShardError(url, f"sample {key!r} spans {size} bytes, more than max_sample_bytes="
-                             f"{self.limits.max_sample_bytes}")
+            raise ShardError(f"sample {key!r} spans {size} bytes, more than max_sample_bytes="
+                             f"{self.limits.max_sample_bytes}", url=url)
         return info, key, ranges
 
     def _read(self, where: Where) -> list[tuple[int, bytes | memoryview, Members | None]]:
@@ -354,5 +355,5 @@ class SampleReads:
         for exc in mismatched[1:] if self.on_error == "raise" else mismatched:
             log.error("%s; samples read from it before its download was checked were used", exc)
         if mismatched and self.on_error == "raise":
-            raise ShardError(mismatched[0].url, f"{mismatched[0].message}; samples read from it before its download "
-                             "was checked were used") from mismatched[0]
+            raise ShardError(f"{mismatched[0].message}; samples read from it before its download "
+                             "was checked were used", url=mismatched[0].url) from mismatched[0]

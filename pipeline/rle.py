@@ -40,22 +40,22 @@ def run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """Run lengths of every string, concatenated, and the number of runs of each string."""
     lens = np.fromiter((len(s) for s in strings), np.int64, len(strings))
     for index in np.flatnonzero(lens == 0):
-        raise RLEError(int(index), "empty counts string")
+        raise RLEError("empty counts string", index=int(index))
     raw = np.frombuffer(b"".join(strings), np.uint8)
     chars = raw - np.uint8(48)  # (a byte below 48 wraps above 63)
     bad = np.flatnonzero(chars > 63)
     if bad.size:
-        raise RLEError(_owner(lens, bad[0]), f"invalid character {chr(raw[bad[0]])!r}")
+        raise RLEError(f"invalid character {chr(raw[bad[0]])!r}", index=_owner(lens, bad[0]))
     ends = np.flatnonzero(chars < 0x20)  # a value's last character: no continuation bit
     string_end = np.cumsum(lens)
     for index in np.flatnonzero(chars[string_end - 1] >= 0x20):
-        raise RLEError(int(index), "truncated counts string")
+        raise RLEError("truncated counts string", index=int(index))
     starts = np.empty_like(ends)
     starts[:1], starts[1:] = 0, ends[:-1] + 1
     nchars = ends - starts + 1
     longest = int(nchars.max()) if nchars.size else 0
     if longest > _MAX_CHARS_PER_VALUE:
-        raise RLEError(_owner(lens, starts[np.argmax(nchars)]), "run length value too long")
+        raise RLEError("run length value too long", index=_owner(lens, starts[np.argmax(nchars)]))
     groups = chars & np.uint8(0x1F)
     values = groups[starts].astype(np.int64)
     for j in range(1, longest):  # 5 more bits from each value's j-th character (most have one)
@@ -83,12 +83,13 @@ def _checked_runs(strings: Sequence[bytes], size: tuple[int, int]) -> tuple[np.n
     """Run lengths, runs per string and each run's end, after checking they describe masks of `size`."""
     runs, runs_per = run_lengths(strings)
     if runs.size and runs.min() < 0:
-        raise RLEError(int(np.searchsorted(np.cumsum(runs_per), np.argmax(runs < 0), side="right")), "negative run")
+        raise RLEError("negative run",
+                       index=int(np.searchsorted(np.cumsum(runs_per), np.argmax(runs < 0), side="right")))
     total = np.cumsum(runs)
     last = np.cumsum(runs_per) - 1
     sums = total[last] - np.concatenate(([0], total[last[:-1]]))
     for index in np.flatnonzero(sums != size[0] * size[1]):
-        raise RLEError(int(index), f"runs cover {int(sums[index])} pixels, not {size[0]}x{size[1]}")
+        raise RLEError(f"runs cover {int(sums[index])} pixels, not {size[0]}x{size[1]}", index=int(index))
     return runs, runs_per, total
 
 

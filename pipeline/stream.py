@@ -153,8 +153,8 @@ class ShardStream(IterableDataset):
                 with clock.stage("decode"):  # (the reads' waits and opens in it are theirs: `LoaderStats.of`)
                     pieces, lost = self._decode(reads, prepared.pop(i), epoch, world.worker, budget, clock)
                 if not pieces:
-                    raise ShardError(self.sources[0].root, f"all {len(items)} samples of batch {batch} failed; ranks "
-                                     "cannot stay in step")
+                    raise ShardError(f"all {len(items)} samples of batch {batch} failed; ranks "
+                                     "cannot stay in step", url=self.sources[0].root)
                 with clock.stage("collate"):
                     collated = self._collate(pieces, world, epoch)
                 yield collated, len(items) - lost
@@ -197,8 +197,9 @@ class ShardStream(IterableDataset):
                 log.warning("skipped: %s", exc)
                 skipped = int(self.skipped[1].sum())
                 if budget is not None and skipped > budget:
-                    raise ShardError(self.sources[where[0]].root, f"{skipped} samples skipped in this epoch, "
-                                     f"more than max_errors={cfg.max_errors} allows ({budget}); last: {exc}") from exc
+                    raise ShardError(f"{skipped} samples skipped in this epoch, "
+                                     f"more than max_errors={cfg.max_errors} allows ({budget}); last: {exc}",
+                                     url=self.sources[where[0]].root) from exc
         return pieces, lost
 
     def _collate(self, samples: list[Any], world: World, epoch: int) -> Any:

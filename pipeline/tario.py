@@ -104,7 +104,7 @@ def _octal(field: bytes, name: str) -> int:
     """A tar header's octal number field; a ValueError naming the field, never echoing its bytes."""
     text = field.rstrip(b"\0 ").lstrip(b" ")
     if not text or not text.isdigit() or b"8" in text or b"9" in text:
-        raise DatasetError(None, f"its {name} field is not an octal number")
+        raise DatasetError(f"its {name} field is not an octal number")
     return int(text, 8)
 
 
@@ -130,9 +130,9 @@ def _header_size(header: bytes, url: str, pos: int, prefix: str, hint: str = "")
     try:
         checksum, size = _octal(header[148:156], "checksum"), _octal(header[124:136], "size")
     except ValueError as exc:
-        raise ShardError(url, f"{prefix}invalid tar header at byte {pos}{hint}: {exc}") from exc
+        raise ShardError(f"{prefix}invalid tar header at byte {pos}{hint}: {exc}", url=url) from exc
     if checksum != sum(header[:148]) + 256 + sum(header[156:]):
-        raise ShardError(url, f"{prefix}tar header checksum mismatch at byte {pos}{hint}")
+        raise ShardError(f"{prefix}tar header checksum mismatch at byte {pos}{hint}", url=url)
     return size
 
 
@@ -141,13 +141,14 @@ def _read_header(view: memoryview, pos: int, url: str, key: str) -> tuple[str, i
     never the header's own name (checked by the caller against the key)."""
     header = bytes(view[pos : pos + BLOCK])
     if len(header) < BLOCK:
-        raise ShardError(url, f"sample {key!r}: truncated tar header at byte {pos}")
+        raise ShardError(f"sample {key!r}: truncated tar header at byte {pos}", url=url)
     size = _header_size(header, url, pos, f"sample {key!r}: ")
     if header[156:157] not in (b"0", b"\0"):
-        raise ShardError(url, f"sample {key!r}: member type {excerpt(header[156:157])} at byte {pos} is not a regular file")
+        raise ShardError(f"sample {key!r}: member type {excerpt(header[156:157])} at byte {pos} is not a regular file",
+                         url=url)
     name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
     if header[345:500].strip(b"\0"):
-        raise ShardError(url, f"sample {key!r}: the member at byte {pos} has a ustar name prefix (a folder)")
+        raise ShardError(f"sample {key!r}: the member at byte {pos} has a ustar name prefix (a folder)", url=url)
     return name, size
 
 
@@ -158,19 +159,19 @@ def _recorded_members(view: memoryview, url: str, key: str, limits: ReadLimits,
     try:
         check_key(key)
     except ValueError as exc:
-        raise ShardError(url, f"unsafe sample key in the index: {exc}") from exc
+        raise ShardError(f"unsafe sample key in the index: {exc}", url=url) from exc
     if len(members) > limits.max_members:
-        raise ShardError(url, f"sample {key!r}: more than {limits.max_members} members")
+        raise ShardError(f"sample {key!r}: more than {limits.max_members} members", url=url)
     found = []
     for ext, offset, recorded in members:
         pos = offset - start
         name, size = _read_header(view, pos, url, key)
         if name not in (f"{key}.{ext}", f"./{key}.{ext}") or not _EXT_RE.fullmatch(ext):
-            raise ShardError(url, f"sample {key!r}: the member at byte {offset} is not named {key}.{excerpt(ext)[1:-1]}, "
-                             "as the index says")
+            raise ShardError(f"sample {key!r}: the member at byte {offset} is not named {key}.{excerpt(ext)[1:-1]}, "
+                             "as the index says", url=url)
         if size != recorded or size > limits.max_member_bytes or pos + BLOCK + size > len(view):
-            raise ShardError(url, f"sample {key!r}: member {key}.{ext} at byte {offset} claims {size} bytes, the index says "
-                             f"{recorded} (or beyond the cap or the sample's range)")
+            raise ShardError(f"sample {key!r}: member {key}.{ext} at byte {offset} claims {size} bytes, the index says "
+                             f"{recorded} (or beyond the cap or the sample's range)", url=url)
         found.append((ext, pos, size))
     return found
 
@@ -181,9 +182,9 @@ def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLim
     try:
         check_key(key)
     except ValueError as exc:
-        raise ShardError(url, f"unsafe sample key in the index: {exc}") from exc
+        raise ShardError(f"unsafe sample key in the index: {exc}", url=url) from exc
     if bytes(data[:2]) == b"\x1f\x8b":
-        raise ShardError(url, f"sample {key!r}: gzip-compressed data; only uncompressed tar shards are read")
+        raise ShardError(f"sample {key!r}: gzip-compressed data; only uncompressed tar shards are read", url=url)
     members: list[tuple[str, int, int]] = []
     view = memoryview(data)
     pos = 0
@@ -191,12 +192,15 @@ def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLim
         name, size = _read_header(view, pos, url, key)
         member_key, _, ext = name.partition(".")
         if member_key != key or not _EXT_RE.fullmatch(ext):
-            raise ShardError(url, f"sample {key!r}: the member at byte {pos} of the sample is not named {key}.<ext>")
+            raise ShardError(f"sample {key!r}: the member at byte {pos} of the sample is not named {key}.<ext>",
+                             url=url)
         shown = f"{key}.{excerpt(ext)[1:-1]}"
         if size > limits.max_member_bytes or pos + BLOCK + size > len(data):
-            raise ShardError(url, f"sample {key!r}: member {shown} claims {size} bytes, beyond the cap or the sample's range")
+            raise ShardError(f"sample {key!r}: member {shown} claims {size} bytes, beyond the cap or the sample's range",
+                             url=url)
         if any(e == ext for e, _, _ in members) or len(members) == limits.max_members:
-            raise ShardError(url, f"sample {key!r}: duplicate member {shown} or more than {limits.max_members} members")
+            raise ShardError(f"sample {key!r}: duplicate member {shown} or more than {limits.max_members} members",
+                             url=url)
         members.append((ext, pos, size))
         pos += BLOCK + size + (-size % BLOCK)
     return members
@@ -236,10 +240,10 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
         if pos == 0:
             for magic, name in _COMPRESSED.items():
                 if header.startswith(magic):
-                    raise ShardError(url, f"{name}-compressed archive; only uncompressed tar archives are indexed")
+                    raise ShardError(f"{name}-compressed archive; only uncompressed tar archives are indexed", url=url)
         if len(header) < BLOCK:
-            raise ShardError(url, f"not a tar archive: {len(header)} bytes, less than a tar header" if pos == 0
-                             else f"truncated tar header at byte {pos}")
+            raise ShardError(f"not a tar archive: {len(header)} bytes, less than a tar header" if pos == 0
+                             else f"truncated tar header at byte {pos}", url=url)
         if header == b"\0" * BLOCK:
             return
         size = _header_size(header, url, pos, "not a tar archive: " if pos == 0 else "")
@@ -247,10 +251,10 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
         name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
         if kind in (b"x", b"g", b"L", b"K"):
             if size > _MAX_EXTENDED:
-                raise ShardError(url, f"extended header of {size} bytes at byte {pos}, more than {_MAX_EXTENDED}")
+                raise ShardError(f"extended header of {size} bytes at byte {pos}, more than {_MAX_EXTENDED}", url=url)
             payload = _read_exactly(read, padded, url, f"the extended header at byte {pos}")[:size]
             if kind == b"g" and (b" path=" in payload or b" size=" in payload):
-                raise ShardError(url, f"a pax global header at byte {pos} sets names or sizes: not indexed")
+                raise ShardError(f"a pax global header at byte {pos} sets names or sizes: not indexed", url=url)
             if kind in (b"L", b"x") and (kind == b"L" or b" path=" in payload or b" size=" in payload):
                 extended = True
                 path = payload.rstrip(b"\0").decode("utf-8", "replace") if kind == b"L" else _pax_path(payload) or path
@@ -288,7 +292,7 @@ def _pax_path(payload: bytes) -> str:
 def _read_exactly(read: Callable[[int], bytes], size: int, url: str, where: str) -> bytes:
     data = read(size)
     if len(data) < size:
-        raise ShardError(url, f"archive ends inside {where} (truncated?)")
+        raise ShardError(f"archive ends inside {where} (truncated?)", url=url)
     return data
 
 

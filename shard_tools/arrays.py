@@ -32,24 +32,24 @@ def _safetensors(path: str, tensor: str | None, url: str) -> tuple[np.ndarray, s
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError as exc:
-        raise InputError(url, f"reading .safetensors needs the safetensors package: {_EXTRA_HELP}") from exc
+        raise InputError(f"reading .safetensors needs the safetensors package: {_EXTRA_HELP}", url=url) from exc
     try:
         with safe_open(path, framework="pt") as f:
             names = sorted(f.keys())
             if tensor is None:
                 if len(names) != 1:
-                    raise InputError(url, f"holds tensors {names}: name one with \"tensor\" in the schema")
+                    raise InputError(f"holds tensors {names}: name one with \"tensor\" in the schema", url=url)
                 (tensor,) = names
             if tensor not in names:
-                raise InputError(url, f"no tensor {tensor!r}; the file holds {names}")
+                raise InputError(f"no tensor {tensor!r}; the file holds {names}", url=url)
             stored = f.get_slice(tensor).get_dtype()
             if stored not in _SAFETENSORS_DTYPES:
-                raise InputError(url, f"tensor {tensor!r}: dtype {stored} is not supported (dtypes: "
-                                 f"{sorted(_SAFETENSORS_DTYPES)})")
+                raise InputError(f"tensor {tensor!r}: dtype {stored} is not supported (dtypes: "
+                                 f"{sorted(_SAFETENSORS_DTYPES)})", url=url)
             values = f.get_tensor(tensor)  # mapped: no byte is read until used
     except (SafetensorError, OSError) as exc:
         which = f" (reading tensor {tensor!r})" if tensor is not None else ""
-        raise InputError(url, f"not a safetensors file{which}: {exc}"[:400]) from exc
+        raise InputError(f"not a safetensors file{which}: {exc}"[:400], url=url) from exc
     dtype = _SAFETENSORS_DTYPES[stored]
     array = values.reshape(-1).view(torch.uint8).numpy().view(storage_dtype(dtype)).reshape(tuple(values.shape))
     array.flags.writeable = False  # as a read-only memory map
@@ -59,19 +59,20 @@ def _safetensors(path: str, tensor: str | None, url: str) -> tuple[np.ndarray, s
 def _npy(path: str, url: str) -> tuple[np.ndarray, str]:
     with open(path, "rb") as f:
         if f.read(6) != b"\x93NUMPY":
-            raise InputError(url, f"not a .npy file (no NPY magic); if it is a pickle, {_PICKLE_HELP}")
+            raise InputError(f"not a .npy file (no NPY magic); if it is a pickle, {_PICKLE_HELP}", url=url)
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError as exc:
         if "pickle" in str(exc) or "object" in str(exc).lower():
-            raise InputError(url, f"holds Python objects, which only pickle can read: {_PICKLE_HELP}") from exc
-        raise InputError(url, f"cannot read .npy: {exc}") from exc
+            raise InputError(f"holds Python objects, which only pickle can read: {_PICKLE_HELP}", url=url) from exc
+        raise InputError(f"cannot read .npy: {exc}", url=url) from exc
     except OSError as exc:
-        raise InputError(url, f"cannot read .npy: {exc}") from exc
+        raise InputError(f"cannot read .npy: {exc}", url=url) from exc
     dtype = array.dtype
     name = dtype.name if dtype.kind in "biuf" and dtype.fields is None else ""
     if name not in COLUMN_DTYPES or name == BFLOAT16:
-        raise InputError(url, f"dtype {dtype} is not supported (bool, ints, uints, float16/32/64; bfloat16 via .safetensors)")
+        raise InputError(f"dtype {dtype} is not supported (bool, ints, uints, float16/32/64; bfloat16 via .safetensors)",
+                         url=url)
     return array, name
 
 
@@ -81,14 +82,14 @@ def open_array(path: str, tensor: str | None = None, url: str | None = None) -> 
     url = url or path
     ext = os.path.splitext(path)[1].lower()
     if ext in _PICKLED:
-        raise InputError(url, f"{ext} files are pickle archives: {_PICKLE_HELP}")
+        raise InputError(f"{ext} files are pickle archives: {_PICKLE_HELP}", url=url)
     if ext not in (".npy", ".safetensors"):
-        raise InputError(url, "unsupported file type: arrays are read from .npy or .safetensors files")
+        raise InputError("unsupported file type: arrays are read from .npy or .safetensors files", url=url)
     if not os.path.isfile(path):
-        raise InputError(url, "no such file")
+        raise InputError("no such file", url=url)
     if ext == ".npy":
         if tensor is not None:
-            raise InputError(url, f"a .npy file holds one array: drop \"tensor\": {tensor!r} from the schema")
+            raise InputError(f"a .npy file holds one array: drop \"tensor\": {tensor!r} from the schema", url=url)
         return _npy(path, url)
     return _safetensors(path, tensor, url)
 
@@ -106,7 +107,7 @@ def _mapped_at(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tu
 def mapped(path: str, tensor: str | None, stamp: tuple[int, int, int]) -> tuple[np.ndarray, str]:
     """The array as it was checked: a file replaced or rewritten since then is an error, not data."""
     if file_stamp(path) != stamp:
-        raise InputError(path, "changed since it was checked; run shard-pack again")
+        raise InputError("changed since it was checked; run shard-pack again", url=path)
     return _mapped_at(path, tensor, stamp)
 
 

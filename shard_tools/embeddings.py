@@ -40,7 +40,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from pipeline.kinds.embeddings import Field, value_problem
-from pipeline.errors import InputError, RowError
+from pipeline.errors import ConfigError, InputError, RowError
 from pipeline.format import EMB_DATA, EMB_ROW, EMB_TABLE, pack_columns, storage_dtype
 from pipeline.storage import sha256_file
 from pipeline.tario import ReadLimits
@@ -95,10 +95,10 @@ def _array_ref(value: Any, url: str, where: str) -> tuple[str, str | None]:
     if isinstance(value, dict):
         unknown = sorted(set(value) - _ARRAY_KEYS)
         if unknown:
-            raise InputError(url, f"{where}: unknown key(s) {unknown}; allowed: {sorted(_ARRAY_KEYS)}")
+            raise InputError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(_ARRAY_KEYS)}", url=url)
         if isinstance(value.get("file"), str) and isinstance(value.get("tensor"), (str, type(None))):
             return value["file"], value.get("tensor")
-    raise InputError(url, f"{where}: want a file name or {{\"file\": ..., \"tensor\": ...}}, got {value!r}"[:300])
+    raise InputError(f"{where}: want a file name or {{\"file\": ..., \"tensor\": ...}}, got {value!r}"[:300], url=url)
 
 
 def _number(value: Any) -> bool:
@@ -122,7 +122,7 @@ class EmbeddingsSource:
         """Read the schema and check every array and split; raises InputError (RowError for a bad
         value: file, field, row and value) before anything is written."""
         if rows_per_block is not None and (type(rows_per_block) is not int or rows_per_block < 1):
-            raise ValueError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
+            raise ConfigError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
         root = os.path.abspath(root)
         schema_path, spec = _read_schema(root, schema)
         entries = [_open_field(root, schema_path, name, entry) for name, entry in spec["fields"].items()]
@@ -135,8 +135,8 @@ class EmbeddingsSource:
         if problems:
             if len(problems) == 1:
                 raise problems[0]
-            raise InputError(schema_path, f"{len(problems)} problems; nothing was written:\n  "
-                             + "\n  ".join(str(p) for p in problems)) from problems[0]
+            raise InputError(f"{len(problems)} problems; nothing was written:\n  "
+                             + "\n  ".join(str(p) for p in problems), url=schema_path) from problems[0]
         if not splits:
             splits, assigned[:] = [SourceSplit("train", None, None, rows, None)], True
         rows_per_block = _block_rows(fields, rows_per_block)
@@ -166,7 +166,7 @@ class EmbeddingsSource:
     def index(self, sources: Sequence[str]) -> tuple[list[SampleRef], list[dict[str, str]]]:
         """One sample per block of each split: `rows_per_block` rows, in row order."""
         if [os.path.abspath(s) for s in sources] != [self.root]:
-            raise ValueError(f"this source packs {self.root}, not {list(sources)}")
+            raise ConfigError(f"this source packs {self.root}, not {list(sources)}")
         refs = []
         for split in self.splits:
             rows = self._rows(split)
@@ -202,20 +202,20 @@ def _read_schema(root: str, schema: str | None) -> tuple[str, dict[str, Any]]:
     """(its path, the schema): a JSON object with a non-empty "fields" object and no unknown key."""
     schema_path = schema or os.path.join(root, SCHEMA_NAME)
     if not os.path.isdir(root):
-        raise InputError(root, "not a folder")
+        raise InputError("not a folder", url=root)
     try:
         with open(schema_path, "rb") as f:
             spec = json.loads(f.read())
     except FileNotFoundError as exc:
-        raise InputError(schema_path, "no schema file: write one (see `shard-pack embeddings --help`) or pass "
-                         "--schema") from exc
+        raise InputError("no schema file: write one (see `shard-pack embeddings --help`) or pass "
+                         "--schema", url=schema_path) from exc
     except ValueError as exc:
-        raise InputError(schema_path, f"not valid JSON: {exc}") from exc
+        raise InputError(f"not valid JSON: {exc}", url=schema_path) from exc
     if not isinstance(spec, dict) or not isinstance(spec.get("fields"), dict) or not spec["fields"]:
-        raise InputError(schema_path, "want a JSON object with a non-empty \"fields\" object")
+        raise InputError("want a JSON object with a non-empty \"fields\" object", url=schema_path)
     unknown = sorted(set(spec) - _SCHEMA_KEYS)
     if unknown:
-        raise InputError(schema_path, f"unknown key(s) {unknown}; allowed: {sorted(_SCHEMA_KEYS)}")
+        raise InputError(f"unknown key(s) {unknown}; allowed: {sorted(_SCHEMA_KEYS)}", url=schema_path)
     return schema_path, spec
 
 
@@ -236,16 +236,17 @@ def _open_field(root: str, schema_path: str, name: str, entry: Any) -> _FieldEnt
     """Check one field's schema entry and open its array."""
     where = f"field {name!r}"
     if not name.isidentifier() or name == EMB_ROW or len(name) > 64:
-        raise InputError(schema_path, f"{where}: names are identifiers of at most 64 characters, not {EMB_ROW!r}")
+        raise InputError(f"{where}: names are identifiers of at most 64 characters, not {EMB_ROW!r}", url=schema_path)
     if not isinstance(entry, dict):
-        raise InputError(schema_path, f"{where}: want an object with \"file\", got {entry!r}"[:300])
+        raise InputError(f"{where}: want an object with \"file\", got {entry!r}"[:300], url=schema_path)
     unknown = sorted(set(entry) - _FIELD_KEYS)
     if unknown:
-        raise InputError(schema_path, f"{where}: unknown key(s) {unknown}; allowed: {sorted(_FIELD_KEYS)}")
+        raise InputError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(_FIELD_KEYS)}", url=schema_path)
     file, tensor = _array_ref({k: entry[k] for k in _ARRAY_KEYS if k in entry}, schema_path, where)
     rng = entry.get("range")
     if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(map(_number, rng)) and rng[0] <= rng[1]):
-        raise InputError(schema_path, f"{where}: range must be [low, high] (finite numbers, low <= high), got {rng!r}")
+        raise InputError(f"{where}: range must be [low, high] (finite numbers, low <= high), got {rng!r}",
+                         url=schema_path)
     path = os.path.join(root, file)
     stamp = file_stamp(path) if os.path.isfile(path) else (0, 0, 0)
     array, dtype = open_array(path, tensor, file)
@@ -256,14 +257,14 @@ def _common_rows(entries: Sequence[_FieldEntry], schema_path: str) -> int:
     """The number of rows every field's array has (at least one)."""
     lengths = {e.name: len(e.array) if e.array.ndim else -1 for e in entries}
     if any(n < 0 for n in lengths.values()):
-        raise InputError(schema_path, f"fields must be arrays with a row axis; scalars: "
-                         f"{[n for n, m in lengths.items() if m < 0]}")
+        raise InputError(f"fields must be arrays with a row axis; scalars: "
+                         f"{[n for n, m in lengths.items() if m < 0]}", url=schema_path)
     if len(set(lengths.values())) != 1:
         listing = ", ".join(f"{e.file} ({e.name}): {lengths[e.name]}" for e in entries)
-        raise InputError(schema_path, f"fields disagree on their number of rows: {listing}")
+        raise InputError(f"fields disagree on their number of rows: {listing}", url=schema_path)
     rows = next(iter(lengths.values()))
     if rows == 0:
-        raise InputError(schema_path, "the arrays have no rows")
+        raise InputError("the arrays have no rows", url=schema_path)
     return rows
 
 
@@ -272,14 +273,15 @@ def _reference_bound(root: str, schema_path: str, entry: _FieldEntry) -> int | N
     if entry.index_into is None:
         return None
     if entry.dtype not in _INTEGERS:
-        raise InputError(entry.file, f"field {entry.name!r} has \"index_into\" but dtype {entry.dtype}; references are integers")
+        raise InputError(f"field {entry.name!r} has \"index_into\" but dtype {entry.dtype}; references are integers",
+                         url=entry.file)
     if type(entry.index_into) is int and entry.index_into >= 1:
         return entry.index_into
     table, table_tensor = _array_ref(entry.index_into, schema_path, f"{entry.name}.index_into")
     table_array = open_array(os.path.join(root, table), table_tensor, table)[0]
     bound = len(table_array) if table_array.ndim else 0
     if bound < 1:
-        raise InputError(table, f"referenced by field {entry.name!r}, but holds no rows")
+        raise InputError(f"referenced by field {entry.name!r}, but holds no rows", url=table)
     return bound
 
 
@@ -298,16 +300,18 @@ def _source_splits(root: str, schema_path: str, splits_spec: Any,
     """The schema's splits, the rows they assign, and the problems of their index files."""
     splits, assigned, problems = [], np.zeros(rows, dtype=np.bool_), []
     if splits_spec is not None and (not isinstance(splits_spec, dict) or not splits_spec):
-        raise InputError(schema_path, f"splits: want an object of split name -> index file, got {splits_spec!r}"[:300])
+        raise InputError(f"splits: want an object of split name -> index file, got {splits_spec!r}"[:300],
+                         url=schema_path)
     for name, value in (splits_spec or {}).items():
         if not name.isidentifier() or len(name) > 40:
-            raise InputError(schema_path, f"split {name!r}: names are identifiers of at most 40 characters")
+            raise InputError(f"split {name!r}: names are identifiers of at most 40 characters", url=schema_path)
         file, tensor = _array_ref(value, schema_path, f"split {name!r}")
         path = os.path.join(root, file)
         stamp = file_stamp(path) if os.path.isfile(path) else (0, 0, 0)
         index, dtype = open_array(path, tensor, file)
         if dtype not in _INTEGERS or index.ndim != 1:
-            raise InputError(file, f"split {name!r}: want a 1-D array of integer row indices, got {dtype}{list(index.shape)}")
+            raise InputError(f"split {name!r}: want a 1-D array of integer row indices, got {dtype}{list(index.shape)}",
+                             url=file)
         problem = _check_split(np.asarray(index), name, file, rows, assigned)
         if problem is not None:
             problems.append(problem)
@@ -321,8 +325,8 @@ def _block_rows(fields: Sequence[SourceField], rows_per_block: int | None) -> in
     if rows_per_block is None:
         rows_per_block = min(MAX_BLOCK_ROWS, 1 << max(0, (BLOCK_BYTES // row_bytes).bit_length() - 1))
     if rows_per_block * row_bytes > ReadLimits.max_member_bytes - 4096:
-        raise ValueError(f"rows_per_block={rows_per_block} makes blocks of {rows_per_block * row_bytes} bytes, more "
-                         f"than a reader accepts ({ReadLimits.max_member_bytes}); use fewer rows per block")
+        raise ConfigError(f"rows_per_block={rows_per_block} makes blocks of {rows_per_block * row_bytes} bytes, more "
+                          f"than a reader accepts ({ReadLimits.max_member_bytes}); use fewer rows per block")
     return rows_per_block
 
 
@@ -337,7 +341,7 @@ def _check_values(array: np.ndarray, field: Field, file: str) -> RowError | None
         problem = value_problem(chunk, field.dtype, field, finite=True)
         if problem is not None:
             row, value, what = problem
-            return RowError(file, field.name, start + row, value, what)
+            return RowError(what, url=file, field=field.name, row=start + row, value=value)
     return None
 
 
@@ -346,18 +350,21 @@ def _check_split(index: np.ndarray, name: str, file: str, rows: int, assigned: n
     field = f"splits.{name}"
     bad = np.flatnonzero((index < 0) | (index >= rows))
     if bad.size:
-        return RowError(file, field, int(bad[0]), str(int(index[bad[0]])), f"not a row index in [0, {rows})")
+        return RowError(f"not a row index in [0, {rows})",
+                        url=file, field=field, row=int(bad[0]), value=str(int(index[bad[0]])))
     if not index.size:
-        return RowError(file, field, 0, "none", "the split is empty")
+        return RowError("the split is empty", url=file, field=field, row=0, value="none")
     index = index.astype(np.int64)
     order = np.argsort(index, kind="stable")
     repeats = np.flatnonzero(np.diff(index[order]) == 0)
     if repeats.size:
         position = int(order[repeats[0] + 1])
-        return RowError(file, field, position, str(int(index[position])), "this row is listed twice in the split")
+        return RowError("this row is listed twice in the split",
+                        url=file, field=field, row=position, value=str(int(index[position])))
     taken = np.flatnonzero(assigned[index])
     if taken.size:
-        return RowError(file, field, int(taken[0]), str(int(index[taken[0]])), "this row is in an earlier split too")
+        return RowError("this row is in an earlier split too",
+                        url=file, field=field, row=int(taken[0]), value=str(int(index[taken[0]])))
     assigned[index] = True
     return None
 
@@ -368,7 +375,7 @@ def pack_embeddings(root: str, out: str, *, schema: str | None = None, rows_per_
     `options.splits` must be None: the schema's split index files say which rows go where."""
     options = options or PackOptions(splits=None)
     if options.splits is not None:
-        raise ValueError("embeddings take their splits from the schema's index files: use PackOptions(splits=None)")
+        raise ConfigError("embeddings take their splits from the schema's index files: use PackOptions(splits=None)")
     source = EmbeddingsSource.load(root, schema, rows_per_block)
     return pack(source, [source.root], out, options, progress=progress)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import InputError, PackError, ShardError, TooManySkipped
+from pipeline.errors import ConfigError, InputError, PackError, ShardError, TooManySkipped
 from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, check_shard_name
 from pipeline.storage import filesystem, is_local, join, read_manifest, write_bytes
 from pipeline.storage.local import open_regular
@@ -99,7 +99,7 @@ def _scan(kind: str, url: str, storage_options: dict[str, Any] | None,
         opened = os.fdopen(open_regular(path, url), "rb", _READ_BLOCK) if is_local(fs) else \
             fs.open(path, "rb", block_size=_READ_BLOCK)
     except FileNotFoundError as exc:
-        raise InputError(url, "archive is missing") from exc
+        raise InputError("archive is missing", url=url) from exc
     except ShardError as exc:
         return _Scanned(0, digest.hexdigest(), [], [{"source": url, "key": "", "reason": str(exc)}], 0, {})
 
@@ -120,9 +120,9 @@ def _scan(kind: str, url: str, storage_options: dict[str, Any] | None,
             while read(_READ_BLOCK):  # (what follows the end-of-archive blocks: hashed too)
                 pass
     except FileNotFoundError as exc:
-        raise InputError(url, "archive is missing") from exc
+        raise InputError("archive is missing", url=url) from exc
     except ShardError as exc:  # (a data problem of the input: exit code 1)
-        raise InputError(exc.url, exc.message) from exc
+        raise InputError(exc.message, url=exc.url) from exc
     ignored = counts.pop("ignored", 0)
     return _Scanned(size, digest.hexdigest(), samples, skipped, ignored, dict(counts))
 
@@ -172,7 +172,7 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     must reach them (object storage, or a shared filesystem). Only the scans run there: this process
     writes the index files and the manifest."""
     if kind not in _INDEXED:
-        raise ValueError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_INDEXED)}")
+        raise ConfigError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_INDEXED)}")
     options = PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped, dask=dask)  # (checked as packing does)
     started = time.monotonic()
     fs, base = filesystem(out, storage_options)
@@ -180,7 +180,7 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     earlier = _check_out(fs, base, out, storage_options)
     urls = _archives(sources, storage_options)
     if not urls:
-        raise InputError(", ".join(sources), "no .tar archives: nothing to index")
+        raise InputError("no .tar archives: nothing to index", url=", ".join(sources))
     made = is_local(fs) and not fs.exists(base)
     if is_local(fs):
         fs.makedirs(base, exist_ok=True)
@@ -324,7 +324,7 @@ def _index(kind: str, urls: list[str], names: list[str], options: PackOptions, s
                     try:
                         built = ShardIndex.build([k for k, _ in samples], [1] * len(samples), [m for _, m in samples])
                     except ValueError as exc:
-                        raise InputError(url, f"cannot be indexed: {exc}") from exc
+                        raise InputError(f"cannot be indexed: {exc}", url=url) from exc
                     data = built.to_bytes(result.bytes)
                     index = f"{split}-{number:06d}-{hashlib.sha256(data).hexdigest()[:12]}.idx"  # (never another run's file)
                     written.append(index)
@@ -339,7 +339,7 @@ def _index(kind: str, urls: list[str], names: list[str], options: PackOptions, s
     if not len(keys):
         why = f" ({len(skipped)} skipped, the first: {skipped[0]['reason']})" if skipped else ""
         more = f" and {len(urls) - 1} more archives" if len(urls) > 1 else ""
-        raise InputError(f"{urls[0]}{more}", f"no {kind} samples{why}: nothing to index")
+        raise InputError(f"no {kind} samples{why}: nothing to index", url=f"{urls[0]}{more}")
     skipped.sort(key=lambda s: (s["key"], s["source"]))
     stored = {"splits": [list(s) for s in splits]}
     fingerprint = hashlib.sha256(json.dumps([kind, stored, names, archives]).encode())

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 
-from pipeline.errors import InputError, PackError, SampleError, TooManySkipped
+from pipeline.errors import ConfigError, InputError, PackError, SampleError, TooManySkipped
 from pipeline.format import MANIFEST_NAME, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name, shard_name
 from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import ShardWriter
@@ -96,18 +96,18 @@ class PackOptions:
     def __post_init__(self) -> None:
         for name in ("shard_samples", "shard_bytes", "workers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.max_skipped, int) or self.max_skipped < 0:
-            raise ValueError(f"max_skipped must be an int >= 0, got {self.max_skipped!r}")
+            raise ConfigError(f"max_skipped must be an int >= 0, got {self.max_skipped!r}")
         if self.splits is not None:  # (None: the source sets each sample's split)
             names = [n for n, _ in self.splits]
             if not names or len(set(names)) != len(names) or any(not n.isidentifier() for n in names):
-                raise ValueError(f"split names must be distinct identifiers, got {names}")
+                raise ConfigError(f"split names must be distinct identifiers, got {names}")
             if any(f <= 0 for _, f in self.splits) or abs(sum(f for _, f in self.splits) - 1) > 1e-9:
-                raise ValueError(f"split fractions must be > 0 and sum to 1, got {dict(self.splits)}")
+                raise ConfigError(f"split fractions must be > 0 and sum to 1, got {dict(self.splits)}")
         if self.dask is not None and not (self.dask.startswith(("tcp://", "tls://", "ucx://", "inproc://"))
                                           or self.dask.removeprefix("local:").isdigit()):
-            raise ValueError(f"dask must be a scheduler address (tcp://host:8786) or local:N, got {self.dask!r}")
+            raise ConfigError(f"dask must be a scheduler address (tcp://host:8786) or local:N, got {self.dask!r}")
 
 
 def parse_splits(text: str) -> tuple[tuple[str, float], ...]:
@@ -116,7 +116,7 @@ def parse_splits(text: str) -> tuple[tuple[str, float], ...]:
         pairs = [item.split("=") for item in text.split(",")]
         return tuple((name.strip(), float(value)) for name, value in pairs)
     except ValueError as exc:
-        raise ValueError(f"invalid split spec {text!r}: want name=fraction[,name=fraction...]") from exc
+        raise ConfigError(f"invalid split spec {text!r}: want name=fraction[,name=fraction...]") from exc
 
 
 def split_of(key: str, splits: Sequence[tuple[str, float]]) -> str:
@@ -314,7 +314,8 @@ def _listed(source: Source, sources: Sequence[str]) -> tuple[list[SampleRef], li
     refs, skipped = source.index(sources)
     if not refs:
         first = f"; the first: {skipped[0]['reason']}" if skipped else ""
-        raise InputError(", ".join(sources), f"no {source.kind} samples to pack ({len(skipped)} inputs skipped{first})")
+        raise InputError(f"no {source.kind} samples to pack ({len(skipped)} inputs skipped{first})",
+                         url=", ".join(sources))
     return refs, skipped
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from PIL import Image
 
 from pipeline import make_stream_loader, validate_first_batch
+from pipeline.errors import ConfigError
 from pipeline.storage import read_manifest
 from shard_tools.drawing import ALPHA, BACKGROUND, Preview, mask_colours
 from shard_tools.kinds import KINDS
@@ -31,7 +32,7 @@ def preview(source: str, split: str, *, n: int = 8, seed: int = 0, tile: int = 2
     `storage_options` and `allowed_roots` as the loader's (fsspec's options, e.g. an s3 endpoint and
     credentials; places outside the folder its manifest may name)."""
     if n < 1 or tile < 16 or columns < 1:
-        raise ValueError(f"n must be >= 1, tile >= 16 and columns >= 1, got {n}, {tile}, {columns}")
+        raise ConfigError(f"n must be >= 1, tile >= 16 and columns >= 1, got {n}, {tile}, {columns}")
     kind = read_manifest(source, storage_options).kind
     loader = make_stream_loader(source, split, batch_size=n, num_workers=0, seed=seed, drop_last=False,
                                 storage_options=storage_options, allowed_roots=allowed_roots, **(options or {}))

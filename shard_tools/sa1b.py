@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pipeline.errors import InputError, SampleError, ShardError
+from pipeline.errors import ConfigError, InputError, SampleError, ShardError
 from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_JSON, check_key, pack_record, parse_json
 from pipeline.rle import fit, nearest_index
 from pipeline.kinds.sa1b import annotation_record
@@ -58,9 +58,9 @@ class Sa1bSource:
 
     def __post_init__(self) -> None:
         if self.image_max_side is not None and (not isinstance(self.image_max_side, int) or self.image_max_side < 16):
-            raise ValueError(f"image_max_side must be an int >= 16 or None, got {self.image_max_side!r}")
+            raise ConfigError(f"image_max_side must be an int >= 16 or None, got {self.image_max_side!r}")
         if not 1 <= self.jpeg_quality <= 95:
-            raise ValueError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
+            raise ConfigError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
 
     def options(self) -> dict[str, Any]:
         return {"image_max_side": self.image_max_side, "jpeg_quality": self.jpeg_quality if self.image_max_side else None}
@@ -104,8 +104,9 @@ class Sa1bSource:
             lone = collections.Counter(role for entry in found.values() if len(entry) == 1 for role in entry)
             seen = [f"{lone['jpg']} JPEGs without their JSON", f"{lone['json']} JSONs without their JPEG",
                     f"{len(skipped) - lone.total()} files with a bad name or a duplicate key", f"{ignored} other files"]
-            raise InputError(", ".join(sources), "no SA-1B samples (sa_<id>.jpg with its sa_<id>.json): found "
-                             + (", ".join(s for s in seen if not s.startswith("0 ")) or "no files"))
+            raise InputError("no SA-1B samples (sa_<id>.jpg with its sa_<id>.json): found "
+                             + (", ".join(s for s in seen if not s.startswith("0 ")) or "no files"),
+                             url=", ".join(sources))
         return refs, skipped
 
     def _parts(self, sources: Sequence[str]):  # -> Iterator[tuple[str, str, Part]]
@@ -136,7 +137,7 @@ class Sa1bSource:
                         yield key, ext, Part(url, member.offset_data, member.size, f"{name}:{member.name}")
         except tarfile.TarError as exc:
             what = f"a damaged tar archive after {members} members" if members else "not a tar archive"
-            raise InputError(url, f"{what} ({exc}); only uncompressed .tar archives are read") from exc
+            raise InputError(f"{what} ({exc}); only uncompressed .tar archives are read", url=url) from exc
 
     # -- encoding --------------------------------------------------------------------------------
 
@@ -164,7 +165,7 @@ def check_pair(jpg: bytes, meta: bytes, jpg_name: str, json_name: str, key: str)
     try:
         parsed = parse_json(meta)
     except ValueError as exc:
-        raise SampleError(json_name, key, "json", f"invalid JSON: {exc}"[:300]) from exc
+        raise SampleError(f"invalid JSON: {exc}"[:300], url=json_name, key=key, field="json") from exc
     record, height, width = annotation_record(parsed, json_name, key)
     return record, _check_jpeg(jpg, (height, width), jpg_name, key)
 
@@ -172,14 +173,15 @@ def check_pair(jpg: bytes, meta: bytes, jpg_name: str, json_name: str, key: str)
 def _check_jpeg(data: bytes, size: tuple[int, int], where: str, key: str) -> tuple[int, int]:
     """The JPEG's (height, width) after checking it is a whole JPEG of the size the JSON states."""
     if not data.startswith(b"\xff\xd8"):
-        raise SampleError(where, key, "jpg", "not a JPEG file")
+        raise SampleError("not a JPEG file", url=where, key=key, field="jpg")
     try:
         with Image.open(io.BytesIO(data), formats=["JPEG"]) as image:
             if (image.height, image.width) != size:
-                raise SampleError(where, key, "jpg", f"JPEG is {image.height}x{image.width}, the JSON says {size[0]}x{size[1]}")
+                raise SampleError(f"JPEG is {image.height}x{image.width}, the JSON says {size[0]}x{size[1]}",
+                                  url=where, key=key, field="jpg")
             load_whole(image, jpeg=True)
     except (OSError, SyntaxError, ValueError) as exc:
-        raise SampleError(where, key, "jpg", f"truncated or corrupt JPEG: {exc}") from exc
+        raise SampleError(f"truncated or corrupt JPEG: {exc}", url=where, key=key, field="jpg") from exc
     return size
 
 
@@ -224,8 +226,8 @@ def _samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str,
         entry[ext] = member
         held += member.size
         if held > LIMITS.max_sample_bytes:
-            raise ShardError(url, f"more than {LIMITS.max_sample_bytes} bytes of members wait for their pair at "
-                             f"{member.name!r}: the archive's samples are not kept together")
+            raise ShardError(f"more than {LIMITS.max_sample_bytes} bytes of members wait for their pair at "
+                             f"{member.name!r}: the archive's samples are not kept together", url=url)
         if len(entry) == 2:
             del pending[key]
             done.add(key)

@@ -44,6 +44,7 @@ import tarfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
+from pipeline.errors import ConfigError
 from shard_tools.sample_sa1b import PHOTOS, Job, Rendered, image_size, photo_paths, render
 
 __all__ = ["PHOTOS", "photo_paths", "write_sa1b", "main"]
@@ -160,19 +161,19 @@ def _check_arguments(images: int, size: tuple[int, int], masks: tuple[int, int],
     height, width = (int(v) for v in size)
     lo, hi = (int(v) for v in masks)
     if images < 0:
-        raise ValueError(f"images must be >= 0, got {images}")
+        raise ConfigError(f"images must be >= 0, got {images}")
     if height < 1 or width < 1:
-        raise ValueError(f"size must be positive, got {size}")
+        raise ConfigError(f"size must be positive, got {size}")
     if not 1 <= lo <= hi:
-        raise ValueError(f"masks must satisfy 1 <= low <= high, got {masks}")
+        raise ConfigError(f"masks must satisfy 1 <= low <= high, got {masks}")
     if images_per_archive < 1:
-        raise ValueError(f"images_per_archive must be >= 1, got {images_per_archive}")
+        raise ConfigError(f"images_per_archive must be >= 1, got {images_per_archive}")
     if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
+        raise ConfigError(f"seed must be >= 0, got {seed}")
     if layout not in ("tar", "folder"):
-        raise ValueError(f"layout must be 'tar' or 'folder', got {layout!r}")
+        raise ConfigError(f"layout must be 'tar' or 'folder', got {layout!r}")
     if workers < 0:
-        raise ValueError(f"workers must be >= 0, got {workers}")
+        raise ConfigError(f"workers must be >= 0, got {workers}")
 
 
 def _files(items: Iterable[Rendered]) -> Iterator[tuple[tuple[str, bytes], tuple[str, bytes]]]:

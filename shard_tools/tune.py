@@ -37,6 +37,7 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 from pipeline import make_stream_loader
+from pipeline.errors import ConfigError
 from shard_tools.progress import Progress
 from shard_tools.preview import mask_colours
 
@@ -154,9 +155,9 @@ def tune(
     for name, values, low in (("workers", workers, 0), ("prefetch_factors", prefetch_factors, 1),
                               ("read_aheads", read_aheads, 1)):
         if not values or any(type(v) is not int or v < low for v in values):
-            raise ValueError(f"{name} must be ints >= {low}, got {list(values)!r}")
+            raise ConfigError(f"{name} must be ints >= {low}, got {list(values)!r}")
     if batches < 1 or warmup < 1 or seconds <= 0:
-        raise ValueError(f"batches and warmup must be >= 1 and seconds > 0, got {batches}, {warmup}, {seconds}")
+        raise ConfigError(f"batches and warmup must be >= 1 and seconds > 0, got {batches}, {warmup}, {seconds}")
     options = dict(options or {})
     make_stream_loader(source, split, batch_size=batch_size, num_workers=0, storage_options=storage_options,
                        allowed_roots=allowed_roots, **options)  # refuses what it cannot do

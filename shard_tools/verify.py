@@ -145,8 +145,8 @@ def _copied(copy: IO[bytes], url: str) -> Callable[[int, int, str], bytes]:
     def read(start: int, end: int, key: str) -> bytes:
         data = os.pread(copy.fileno(), end - start, start)
         if len(data) < end - start:
-            raise ShardError(url, f"sample {key!r}: shard is {os.fstat(copy.fileno()).st_size} bytes, shorter than the "
-                             f"sample's range ({start}-{end})")
+            raise ShardError(f"sample {key!r}: shard is {os.fstat(copy.fileno()).st_size} bytes, shorter than the "
+                             f"sample's range ({start}-{end})", url=url)
         return data
     return read
 
@@ -220,7 +220,7 @@ def upgrade(root: str, *, progress: bool = True, storage_options: dict[str, Any]
                 bar.update(1)
             index = ShardIndex.build(old.key_list(), old.units.tolist(), members)
             if not np.array_equal(index.spans, old.spans):
-                raise ShardstreamError(url, "the shard's samples do not fill the ranges its manifest gives them")
+                raise ShardstreamError("the shard's samples do not fill the ranges its manifest gives them", url=url)
             data = index.to_bytes(shard.bytes)
             write_bytes(fs, join(base, index_name(shard.name)), data)
             upgraded.append(ShardInfo(shard.name, shard.samples, shard.units, shard.bytes, shard.sha256,

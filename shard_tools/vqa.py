@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 from PIL import Image, UnidentifiedImageError
 
-from pipeline.errors import InputError, SampleError
+from pipeline.errors import ConfigError, InputError, SampleError
 from pipeline.format import VQA_IMAGE_EXTS, VQA_RECORD, check_key, pack_record
 from pipeline.images import MAX_IMAGE_PIXELS
 from pipeline.rle import fit
@@ -179,9 +179,10 @@ def _load(file: str) -> list[Any]:
     try:
         records = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise InputError(file, f"not valid JSON: {exc}"[:300]) from exc
+        raise InputError(f"not valid JSON: {exc}"[:300], url=file) from exc
     if not isinstance(records, list):
-        raise InputError(file, f"holds a JSON {type(records).__name__}, want a list of records (or JSON Lines in .jsonl)")
+        raise InputError(f"holds a JSON {type(records).__name__}, want a list of records (or JSON Lines in .jsonl)",
+                         url=file)
     return records
 
 
@@ -216,7 +217,7 @@ class _Listing:
         that does not fit is skipped; PackError when none fits."""
         records = _load(file)
         if not records:
-            raise InputError(file, "no records: nothing to pack")
+            raise InputError("no records: nothing to pack", url=file)
         layout = layout or detect_layout(records, file)
         good, first_problem = 0, ""
         for i, record in enumerate(records):
@@ -265,27 +266,27 @@ class VqaSource:
     def __post_init__(self) -> None:
         if not isinstance(self.splits, tuple) or not self.splits or not all(
                 isinstance(s, tuple) and len(s) == 2 and all(isinstance(x, str) for x in s) for s in self.splits):
-            raise ValueError(f"splits must be a non-empty tuple of (name, file) pairs, got {self.splits!r}")
+            raise ConfigError(f"splits must be a non-empty tuple of (name, file) pairs, got {self.splits!r}")
         for name, file in self.splits:
             if not name.isidentifier():
-                raise ValueError(f"split name {name!r} (for {file}) must be an identifier, e.g. train, val, test")
+                raise ConfigError(f"split name {name!r} (for {file}) must be an identifier, e.g. train, val, test")
         if len({file for _, file in self.splits}) != len(self.splits):
-            raise ValueError(f"an annotation file is given twice: {[f for _, f in self.splits]}")
+            raise ConfigError(f"an annotation file is given twice: {[f for _, f in self.splits]}")
         keys = (self.image_key, self.question_key, self.answer_key)
         if any(k is not None for k in keys) and not all(isinstance(k, str) and k for k in keys):
-            raise ValueError(f"give all three of image_key, question_key, answer_key, got {keys}")
+            raise ConfigError(f"give all three of image_key, question_key, answer_key, got {keys}")
         if self.layout is not None and self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {sorted(LAYOUTS)} or None (detect), got {self.layout!r}")
+            raise ConfigError(f"layout must be one of {sorted(LAYOUTS)} or None (detect), got {self.layout!r}")
         if self.layout == "mapped" and self.image_key is None:
-            raise ValueError("layout 'mapped' needs image_key, question_key and answer_key")
+            raise ConfigError("layout 'mapped' needs image_key, question_key and answer_key")
         if self.image_key is not None and self.layout not in (None, "mapped"):
-            raise ValueError(f"image_key, question_key and answer_key make the mapped layout, not {self.layout!r}")
+            raise ConfigError(f"image_key, question_key and answer_key make the mapped layout, not {self.layout!r}")
         if self.shared_images not in ("skip", "keep"):
-            raise ValueError(f"shared_images must be 'skip' or 'keep', got {self.shared_images!r}")
+            raise ConfigError(f"shared_images must be 'skip' or 'keep', got {self.shared_images!r}")
         if self.image_max_side is not None and (not isinstance(self.image_max_side, int) or self.image_max_side < 16):
-            raise ValueError(f"image_max_side must be an int >= 16 or None, got {self.image_max_side!r}")
+            raise ConfigError(f"image_max_side must be an int >= 16 or None, got {self.image_max_side!r}")
         if not isinstance(self.jpeg_quality, int) or not 1 <= self.jpeg_quality <= 95:
-            raise ValueError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
+            raise ConfigError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
 
     @property
     def files(self) -> list[str]:
@@ -316,7 +317,7 @@ class VqaSource:
         """One reference per (split, image) with that split's questions about the image, and the
         records and images skipped. `sources` are the annotation files of `splits` (see `pack_vqa`)."""
         if list(sources) != self.files:
-            raise ValueError(f"sources must be the annotation files of splits, {self.files}, got {list(sources)}")
+            raise ConfigError(f"sources must be the annotation files of splits, {self.files}, got {list(sources)}")
         mapped = (self.image_key, self.question_key, self.answer_key) if self.image_key is not None else None
         listing = _Listing()
         for split, file in self.splits:
@@ -378,7 +379,8 @@ class VqaSource:
         try:
             data = fs.cat_file(path)
         except OSError as exc:
-            raise SampleError(part.name, ref.key, "image", f"cannot read the image: {exc}; {lost}") from exc
+            raise SampleError(f"cannot read the image: {exc}; {lost}",
+                              url=part.name, key=ref.key, field="image") from exc
         fmt, mode, (height, width) = _check_image(data, part.name, ref.key, lost)
         stored = (height, width)
         if self.image_max_side and max(height, width) > self.image_max_side:
@@ -406,13 +408,13 @@ def _check_image(data: bytes, where: str, key: str, lost: str) -> tuple[str, str
             fmt, mode, size = image.format, image.mode, (image.height, image.width)
             fmt = "JPEG" if fmt == "MPO" else fmt  # a camera's multi-picture JPEG: its first picture is the JPEG
             if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise SampleError(where, key, "image", f"{image.width}x{image.height} pixels exceed the cap "
-                                  f"{MAX_IMAGE_PIXELS}; {lost}")
+                raise SampleError(f"{image.width}x{image.height} pixels exceed the cap "
+                                  f"{MAX_IMAGE_PIXELS}; {lost}", url=where, key=key, field="image")
             load_whole(image, jpeg=fmt == "JPEG")
     except UnidentifiedImageError as exc:
-        raise SampleError(where, key, "image", f"not a JPEG or PNG image; {lost}") from exc
+        raise SampleError(f"not a JPEG or PNG image; {lost}", url=where, key=key, field="image") from exc
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise SampleError(where, key, "image", f"truncated or corrupt image: {exc}; {lost}") from exc
+        raise SampleError(f"truncated or corrupt image: {exc}; {lost}", url=where, key=key, field="image") from exc
     assert fmt in VQA_IMAGE_EXTS
     return fmt, mode, size
 

@@ -175,7 +175,7 @@ def test_a_failing_piece_stops_the_download(tmp_path):
 
     def read(start: int, end: int):
         if start:
-            raise ShardError("u", f"cannot read bytes {start}-{end}")
+            raise ShardError(f"cannot read bytes {start}-{end}", url="u")
         yield from _reader(DATA, pause=0.01)(start, end)
 
     with pytest.raises(ShardError, match="cannot read bytes"):

@@ -163,7 +163,7 @@ def test_a_refused_run_keeps_an_interrupted_packs_state(sa1b_src, sa1b_dataset, 
 
 @pytest.mark.parametrize("error, code, line", [
     (TooManySkipped("too many"), 1, "shard-pack: too many"),
-    (InputError("in.json", "not valid JSON"), 1, "shard-pack: in.json: not valid JSON"),
+    (InputError("not valid JSON", url="in.json"), 1, "shard-pack: in.json: not valid JSON"),
     (PackError("busy"), 2, "shard-pack: busy"),
     (ValueError("bad flag"), 2, "shard-pack: bad flag"),
     (FileNotFoundError(2, "No such file or directory", "x"), 2, "shard-pack: [Errno 2] No such file or directory: 'x'"),

@@ -109,7 +109,7 @@ def _runs_until_stopped(folder: str, position: int, tick) -> int:
 
 def _refuses(folder: str, tick) -> None:
     pathlib.Path(folder, f"refused-{uuid.uuid4().hex}").touch()
-    raise InputError(f"{folder}/a.tar", "not a tar archive")
+    raise InputError("not a tar archive", url=f"{folder}/a.tar")
 
 
 def test_leaving_dask_tasks_early_stops_the_running_tasks_at_their_next_tick(cluster, tmp_path):

@@ -59,20 +59,39 @@ def test_a_setting_error_is_raised_not_skipped_and_crosses_a_worker(sa1b_dataset
 
 @pytest.mark.parametrize("error", [
     ConfigError("batch_size must be an int >= 1, got 0"),
-    DatasetError("s3://b/d", "no split 'test'; the dataset has ['train']"),
-    DatasetError(None, "cannot mix kinds: a is sa1b, b is vqa"),
-    ManifestError("s3://b/d/manifest.json", "not valid JSON"),
-    ShardError("s3://b/d/train-000000.tar", "truncated"),
-    ShardIndexError("s3://b/d/train-000000.idx", "missing"),
-    SampleError("s3://b/d/train-000000.tar", "k1", "json", "not JSON"),
-    InputError("/in/a.json", "missing"),
-    RowError("/in/a.npy", "label", 3, "nan", "not finite"),
+    DatasetError("no split 'test'; the dataset has ['train']", url="s3://b/d"),
+    DatasetError("cannot mix kinds: a is sa1b, b is vqa"),
+    ManifestError("not valid JSON", url="s3://b/d/manifest.json"),
+    ShardError("truncated", url="s3://b/d/train-000000.tar"),
+    ShardIndexError("missing", url="s3://b/d/train-000000.idx"),
+    SampleError("not JSON", url="s3://b/d/train-000000.tar", key="k1", field="json"),
+    InputError("missing", url="/in/a.json"),
+    RowError("not finite", url="/in/a.npy", field="label", row=3, value="nan"),
     PackError("/out holds something else"),
     TooManySkipped("12 skipped, more than 10"),
     PlanError("fewer samples than ranks"),
-    RLEError(4, "counts run past the mask"),
+    RLEError("counts run past the mask", index=4),
 ])
 def test_every_error_pickles_with_its_attributes(error):
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and back.args == error.args and str(back) == str(error)
     assert vars(back) == vars(error)
+
+
+def test_the_message_comes_first_and_the_rest_are_keywords():
+    assert str(ShardError("truncated", url="s3://b/x.tar")) == "s3://b/x.tar: truncated"
+    assert str(SampleError("not JSON", url="u", key="k1")) == "u: sample 'k1': not JSON"
+    assert str(RLEError("odd counts", index=2)) == "mask 2: odd counts"
+    with pytest.raises(TypeError):
+        ShardError("s3://b/x.tar", "truncated")  # the old (url, message) order is refused, not misread
+    with pytest.raises(TypeError):
+        SampleError("u", "k1", "json", "not JSON")
+
+
+def test_a_subclass_elsewhere_pickles_with_its_attributes():
+    from pipeline.storage.cache import Mismatch
+
+    error = Mismatch("another SHA-256", url="s3://b/x.tar")
+    error.add_note("while downloading")
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is Mismatch and str(back) == str(error) and vars(back) == vars(error)

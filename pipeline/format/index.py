@@ -77,7 +77,7 @@ class ShardIndex:
     def sample_members(self, i: int) -> list[tuple[str, int, int]]:
         """(extension, header offset, data bytes) of each member of sample `i`, in shard order."""
         if self.members is None:
-            raise DatasetError(None, "this index does not record members (made from a schema-2 manifest)")
+            raise DatasetError("this index does not record members (made from a schema-2 manifest)")
         ends, offsets, sizes, exts = self.members
         first = int(ends[i - 1]) if i else 0
         return [(self.exts[e], o, s) for e, o, s in zip(exts[first : ends[i]].tolist(), offsets[first : ends[i]].tolist(),
@@ -88,8 +88,8 @@ class ShardIndex:
         """The index of samples given as key, units and members (extension, header offset, data bytes)."""
         exts = tuple(sorted({ext for sample in members for ext, _, _ in sample}))
         if len(exts) > 256 or len("\n".join(exts)) > 4096:  # (what `from_bytes` reads back)
-            raise DatasetError(None, f"{len(exts)} distinct member extensions: an index holds at most 256, "
-                                     "in 4096 bytes")
+            raise DatasetError(f"{len(exts)} distinct member extensions: an index holds at most 256, "
+                               "in 4096 bytes")
         number = {ext: i for i, ext in enumerate(exts)}
         flat = [m for sample in members for m in sample]
         offsets = np.asarray([o for _, o, _ in flat], dtype=np.int64)
@@ -120,7 +120,7 @@ class ShardIndex:
         """Parse and check an index file against what the manifest says of its shard; IndexError
         (a ShardIndexError) naming the file on anything that is not exactly what `to_bytes` writes."""
         def bad(message: str) -> ShardIndexError:
-            return ShardIndexError(url, f"invalid shard index: {message}")
+            return ShardIndexError(f"invalid shard index: {message}", url=url)
 
         if len(data) < _INDEX_HEADER.size:
             raise bad(f"{len(data)} bytes, shorter than its header")

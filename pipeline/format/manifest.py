@@ -98,8 +98,8 @@ class Split(Sequence[ShardInfo]):
 
     def to_json(self) -> dict[str, Any]:
         if any(i is None for i in self.indexes):
-            raise DatasetError(None, "shards without an index file cannot be listed in a schema-3 manifest "
-                                     "(shard-pack upgrade)")
+            raise DatasetError("shards without an index file cannot be listed in a schema-3 manifest "
+                               "(shard-pack upgrade)")
         columns = [self.names, self.sample_counts.tolist(), self.unit_counts.tolist(), self.shard_bytes.tolist(),
                    self.sha256, [i.name for i in self.indexes], [i.bytes for i in self.indexes],  # type: ignore[union-attr]
                    [i.sha256 for i in self.indexes]]  # type: ignore[union-attr]
@@ -111,25 +111,25 @@ class Split(Sequence[ShardInfo]):
         dataset's origin."""
         shards = obj["shards"]
         if not isinstance(shards, dict) or set(shards) != set(_COLUMNS):
-            raise ManifestError(url, f"split {name!r}: want the shard columns {list(_COLUMNS)}")
+            raise ManifestError(f"split {name!r}: want the shard columns {list(_COLUMNS)}", url=url)
         columns = [shards[c] for c in _COLUMNS]
         count = len(columns[0]) if isinstance(columns[0], list) else -1
         if not all(isinstance(c, list) and len(c) == count for c in columns):
-            raise ManifestError(url, f"split {name!r}: shard columns must be lists of equal length")
+            raise ManifestError(f"split {name!r}: shard columns must be lists of equal length", url=url)
         names, samples, units, sizes, sha, index, index_bytes, index_sha = columns
         ints = (samples, units, sizes, index_bytes)
         if not all(type(v) is int and 0 <= v < 1 << 62 for column in ints for v in column) or \
                 not all(isinstance(v, str) and _SHA_RE.fullmatch(v) for column in (sha, index_sha) for v in column) or \
                 not all(isinstance(v, str) and _shard_name_ok(v, origin) for v in names) or \
                 not all(isinstance(v, str) and _INDEX_RE.fullmatch(v) for v in index):
-            raise ManifestError(url, f"split {name!r}: a shard entry of the wrong type or form")
+            raise ManifestError(f"split {name!r}: a shard entry of the wrong type or form", url=url)
         bad = [n for n, s, u in zip(names, samples, units) if u < s or (u and not s)]
         if bad:
-            raise ManifestError(url, f"split {name!r}: shard {bad[0]!r} has fewer units than samples")
+            raise ManifestError(f"split {name!r}: shard {bad[0]!r} has fewer units than samples", url=url)
         split = cls([ShardInfo(*row[:5], IndexInfo(*row[5:])) for row in zip(*columns)])
         if (obj.get("samples"), obj.get("units")) != (split.samples, split.units):
-            raise ManifestError(url, f"split {name!r} says {obj.get('samples')} samples and {obj.get('units')} units, "
-                                f"its shards hold {split.samples} and {split.units}")
+            raise ManifestError(f"split {name!r} says {obj.get('samples')} samples and {obj.get('units')} units, "
+                                f"its shards hold {split.samples} and {split.units}", url=url)
         return split
 
 
@@ -184,18 +184,19 @@ class Manifest:
         try:
             obj = json.loads(data)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
-            raise ManifestError(url, f"not valid JSON: {exc!r}"[:300]) from exc
+            raise ManifestError(f"not valid JSON: {exc!r}"[:300], url=url) from exc
         if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-            raise ManifestError(url, f"not a {FORMAT} manifest")
+            raise ManifestError(f"not a {FORMAT} manifest", url=url)
         version = obj.get("schema_version")
         if version not in _READABLE_VERSIONS:
-            raise ManifestError(url, f"schema version {version!r}; this version reads {list(_READABLE_VERSIONS)}")
+            raise ManifestError(f"schema version {version!r}; this version reads {list(_READABLE_VERSIONS)}", url=url)
         if obj.get("kind") not in KIND_NAMES:
-            raise ManifestError(url, f"unknown kind {obj.get('kind')!r}; known: {sorted(KIND_NAMES)}")
+            raise ManifestError(f"unknown kind {obj.get('kind')!r}; known: {sorted(KIND_NAMES)}", url=url)
         try:
             origin, members = (obj["origin"], obj["members"]) if version >= 4 else ("packed", [])
             if origin not in ORIGINS or not isinstance(members, list):
-                raise ManifestError(url, f"origin {origin!r} (want one of {list(ORIGINS)}) or members {members!r}"[:300])
+                raise ManifestError(f"origin {origin!r} (want one of {list(ORIGINS)}) or members {members!r}"[:300],
+                                    url=url)
             if version >= 3:
                 splits = {name: Split.from_json(split, url, name, origin) for name, split in obj["splits"].items()}
             else:
@@ -204,7 +205,7 @@ class Manifest:
             manifest = cls(obj["kind"], splits, obj["options"], obj["fingerprint"], tuple(obj["skipped"]), version,
                            origin, tuple(members))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:  # (ValueError: Manifest's own checks)
-            raise ManifestError(url, f"invalid manifest: {exc!r}"[:500]) from exc
+            raise ManifestError(f"invalid manifest: {exc!r}"[:500], url=url) from exc
         # A packed shard belongs to one split; an archive indexed in place may serve several (each split's
         # index lists only its samples), but is listed once per split. Index files are never shared.
         per_split = [split.names for split in manifest.splits.values()] if origin == "indexed" else \
@@ -213,7 +214,7 @@ class Manifest:
         for listed in (*per_split, indexes):
             if len(set(listed)) != len(listed):
                 twice = sorted({n for n in listed if listed.count(n) > 1})
-                raise ManifestError(url, f"{twice[0]!r} is listed more than once: its samples would be read twice")
+                raise ManifestError(f"{twice[0]!r} is listed more than once: its samples would be read twice", url=url)
         return manifest
 
 
@@ -233,9 +234,9 @@ def _legacy_shard(obj: Any, url: str) -> ShardInfo:
             and isinstance(obj["sha256"], str) and _SHA_RE.fullmatch(obj["sha256"])
         )
     except (KeyError, TypeError) as exc:
-        raise ManifestError(url, f"invalid shard entry: {exc!r}") from exc
+        raise ManifestError(f"invalid shard entry: {exc!r}", url=url) from exc
     if not ok or not isinstance(obj.get("name"), str) or _SHARD_RE.fullmatch(obj["name"]) is None:
-        raise ManifestError(url, f"inconsistent shard entry {obj.get('name')!r}")
+        raise ManifestError(f"inconsistent shard entry {obj.get('name')!r}", url=url)
     index = ShardIndex.of_offsets(keys, offsets, units)
     return ShardInfo(obj["name"], len(keys), int(index.units.sum()), size, obj["sha256"], None, index)
 

@@ -53,14 +53,14 @@ def encode_array(array: np.ndarray) -> dict[str, Any]:
 def decode_array(obj: Any) -> np.ndarray:
     """Inverse of `encode_array`; raises ValueError on anything that is not exactly such a map."""
     if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
-        raise DatasetError(None, "not an encoded array (want a map with dtype, shape, data)")
+        raise DatasetError("not an encoded array (want a map with dtype, shape, data)")
     dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if dtype not in _ARRAY_DTYPES:
-        raise DatasetError(None, f"array dtype {dtype!r} not allowed")
+        raise DatasetError(f"array dtype {dtype!r} not allowed")
     if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
-        raise DatasetError(None, f"invalid array shape {shape!r}")
+        raise DatasetError(f"invalid array shape {shape!r}")
     if not isinstance(data, bytes) or len(data) != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
-        raise DatasetError(None, f"array data does not match dtype {dtype} and shape {shape}")
+        raise DatasetError(f"array data does not match dtype {dtype} and shape {shape}")
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
@@ -109,21 +109,21 @@ def unpack_columns(table: bytes, data: bytes) -> dict[str, tuple[str, np.ndarray
     would not have written (unknown dtypes, lengths that disagree, offsets off the layout, extra bytes)."""
     obj = unpack_record(table)
     if set(obj) != {"rows", "columns"} or type(obj["rows"]) is not int or not isinstance(obj["columns"], list):
-        raise DatasetError(None, "not a column table (want a map with rows and columns)")
+        raise DatasetError("not a column table (want a map with rows and columns)")
     n, layout, given = obj["rows"], [], []
     for column in obj["columns"]:
         if not (isinstance(column, list) and len(column) == 4 and isinstance(column[0], str)
                 and _COLUMN_NAME_RE.fullmatch(column[0]) and column[1] in COLUMN_DTYPES
                 and isinstance(column[2], list) and column[2][:1] == [n]
                 and all(type(d) is int and d >= 0 for d in column[2]) and type(column[3]) is int):
-            raise DatasetError(None, f"invalid column entry {excerpt(repr(column))}")
+            raise DatasetError(f"invalid column entry {excerpt(repr(column))}")
         layout.append((column[0], column[1], tuple(column[2])))
         given.append(column[3])
     if len({name for name, _, _ in layout}) != len(layout):
-        raise DatasetError(None, "duplicate column names")
+        raise DatasetError("duplicate column names")
     offsets, end = column_offsets(layout)
     if given != offsets or len(data) != end:
-        raise DatasetError(None, f"column offsets {given} and {len(data)} data bytes, expected {offsets} and {end}")
+        raise DatasetError(f"column offsets {given} and {len(data)} data bytes, expected {offsets} and {end}")
     return {
         name: (dtype, np.frombuffer(data, storage_dtype(dtype), math.prod(shape), offset).reshape(shape))
         for (name, dtype, shape), offset in zip(layout, offsets)
@@ -135,12 +135,12 @@ def pack_record(record: Mapping[str, Any]) -> bytes:
 
 
 def _no_ext(code: int, data: bytes) -> Any:
-    raise DatasetError(None, f"msgpack extension type {code} is not allowed")
+    raise DatasetError(f"msgpack extension type {code} is not allowed")
 
 
 def unpack_record(data: bytes) -> dict[str, Any]:
     """Unpack a msgpack map; every length is bounded by the input size and extension types are refused."""
     obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)  # lengths capped at len(data)
     if not isinstance(obj, dict):
-        raise DatasetError(None, f"record is a {type(obj).__name__}, want a map")
+        raise DatasetError(f"record is a {type(obj).__name__}, want a map")
     return obj

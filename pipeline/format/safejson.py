@@ -20,10 +20,10 @@ def parse_json(data: bytes | memoryview, max_bytes: int = MAX_JSON_BYTES, max_de
     """Parse untrusted JSON within a size and a nesting limit, both checked before parsing (so nesting
     never reaches Python's recursion limit); ValueError on anything else, or on JSON that is not valid."""
     if len(data) > max_bytes:
-        raise DatasetError(None, f"{len(data)} bytes of JSON, more than the limit of {max_bytes}")
+        raise DatasetError(f"{len(data)} bytes of JSON, more than the limit of {max_bytes}")
     data = bytes(data)
     if _depth(data) > max_depth:
-        raise DatasetError(None, f"JSON nested deeper than {max_depth} levels")
+        raise DatasetError(f"JSON nested deeper than {max_depth} levels")
     return json.loads(data)
 
 

@@ -162,22 +162,22 @@ def _parse_field(obj: Any, url: str) -> Field:
         rng = obj["range"]
         return Field(obj["name"], obj["dtype"], tuple(obj["shape"]), None if rng is None else tuple(rng), obj["bound"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ManifestError(url, f"invalid embeddings field entry {obj!r}: {exc}"[:300]) from exc
+        raise ManifestError(f"invalid embeddings field entry {obj!r}: {exc}"[:300], url=url) from exc
 
 
 def _schema(manifest: Manifest, url: str) -> tuple[tuple[Field, ...], int]:
     kind_options = manifest.options.get("kind_options") if isinstance(manifest.options, Mapping) else None
     if not isinstance(kind_options, Mapping) or not isinstance(kind_options.get("fields"), list) \
             or type(kind_options.get("rows")) is not int:
-        raise ManifestError(url, "embeddings manifest without kind_options.fields and kind_options.rows")
+        raise ManifestError("embeddings manifest without kind_options.fields and kind_options.rows", url=url)
     return tuple(_parse_field(f, url) for f in kind_options["fields"]), kind_options["rows"]
 
 
 def _merge(a: Field, b: Field) -> Field:
     """One field of two datasets being mixed: the same dtype and shape; the looser declared limits."""
     if (a.dtype, a.shape) != (b.dtype, b.shape):
-        raise DatasetError(None, f"cannot mix datasets whose field {a.name!r} differs: {a.dtype}{list(a.shape)} vs "
-                                 f"{b.dtype}{list(b.shape)}")
+        raise DatasetError(f"cannot mix datasets whose field {a.name!r} differs: {a.dtype}{list(a.shape)} vs "
+                           f"{b.dtype}{list(b.shape)}")
     rng = None if a.range is None or b.range is None else (min(a.range[0], b.range[0]), max(a.range[1], b.range[1]))
     bound = None if a.bound is None or b.bound is None else max(a.bound, b.bound)
     return Field(a.name, a.dtype, a.shape, rng, bound)
@@ -190,8 +190,8 @@ def options_from_manifests(manifests: Sequence[Manifest], **options: Any) -> Emb
     for manifest in manifests[1:]:
         other, other_rows = _schema(manifest, url)
         if [f.name for f in other] != [f.name for f in schema]:
-            raise DatasetError(None, f"cannot mix datasets with fields {[f.name for f in schema]} and "
-                                     f"{[f.name for f in other]}")
+            raise DatasetError(f"cannot mix datasets with fields {[f.name for f in schema]} and "
+                               f"{[f.name for f in other]}")
         schema, rows = tuple(_merge(a, b) for a, b in zip(schema, other)), max(rows, other_rows)
     return EmbeddingsOptions(schema, rows, **options)
 
@@ -261,33 +261,34 @@ def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: st
     declared ranges and references; NaN/Inf too with `check_values`) and its rows against the
     `units` the manifest says it has."""
     if set(members) != {EMB_TABLE, EMB_DATA}:
-        raise SampleError(url, key, None, f"members {sorted(members)}, expected {sorted([EMB_TABLE, EMB_DATA])}")
+        raise SampleError(f"members {sorted(members)}, expected {sorted([EMB_TABLE, EMB_DATA])}", url=url, key=key)
     try:
         columns = unpack_columns(members[EMB_TABLE], members[EMB_DATA])
     except (ValueError, msgpack.exceptions.UnpackException) as exc:
-        raise SampleError(url, key, EMB_TABLE, f"invalid column table: {exc}") from exc
+        raise SampleError(f"invalid column table: {exc}", url=url, key=key, field=EMB_TABLE) from exc
     expected = [EMB_ROW] + [f.name for f in options.schema]
     if list(columns) != expected:
-        raise SampleError(url, key, None, f"columns {list(columns)}, expected {expected}")
+        raise SampleError(f"columns {list(columns)}, expected {expected}", url=url, key=key)
     dtype, rows = columns[EMB_ROW]
     n = len(rows)
     if n < 1 or dtype != "int64" or rows.ndim != 1:
-        raise SampleError(url, key, EMB_ROW, f"want int64 row indices of at least one row, got {dtype}{list(rows.shape)}")
+        raise SampleError(f"want int64 row indices of at least one row, got {dtype}{list(rows.shape)}",
+                          url=url, key=key, field=EMB_ROW)
     if units is not None and n != units:
-        raise SampleError(url, key, EMB_ROW, f"{n} rows, the manifest says {units}")
+        raise SampleError(f"{n} rows, the manifest says {units}", url=url, key=key, field=EMB_ROW)
     if rows.min() < 0 or rows.max() >= options.rows:
-        raise SampleError(url, key, EMB_ROW, f"row indices outside [0, {options.rows})")
+        raise SampleError(f"row indices outside [0, {options.rows})", url=url, key=key, field=EMB_ROW)
     kept = {EMB_ROW: rows}
     for field in options.schema:
         dtype, values = columns[field.name]
         if dtype != field.dtype or values.shape[1:] != field.shape:
-            raise SampleError(url, key, field.name, f"{dtype}{list(values.shape[1:])} per row, the manifest says "
-                              f"{field.dtype}{list(field.shape)}")
+            raise SampleError(f"{dtype}{list(values.shape[1:])} per row, the manifest says "
+                              f"{field.dtype}{list(field.shape)}", url=url, key=key, field=field.name)
         if field.range is not None or field.bound is not None or (options.check_values and field.dtype in _FLOATS):
             problem = value_problem(values, dtype, field, options.check_values)
             if problem is not None:
                 row, value, what = problem
-                raise SampleError(url, key, field.name, f"row {int(rows[row])}: value {value}: {what}")
+                raise SampleError(f"row {int(rows[row])}: value {value}: {what}", url=url, key=key, field=field.name)
         if field.name in options.selected:
             kept[field.name] = values
     small = np.empty(n, options.small)

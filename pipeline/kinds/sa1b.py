@@ -86,21 +86,21 @@ def _array(record: dict[str, Any], name: str, shape: tuple[int, ...], url: str, 
     try:
         array = record[name] if isinstance(record[name], np.ndarray) else decode_array(record[name])  # (originals: arrays)
     except ValueError as exc:
-        raise SampleError(url, key, name, str(exc)) from exc
+        raise SampleError(str(exc), url=url, key=key, field=name) from exc
     if array.shape != shape:
-        raise SampleError(url, key, name, f"shape {array.shape}, expected {shape}")
+        raise SampleError(f"shape {array.shape}, expected {shape}", url=url, key=key, field=name)
     if array.dtype.kind == "f" and not np.isfinite(array).all():
-        raise SampleError(url, key, name, "NaN or infinite value")
+        raise SampleError("NaN or infinite value", url=url, key=key, field=name)
     return array
 
 
 def _packed_record(members: dict[str, Any], url: str, key: str) -> dict[str, Any]:
     if set(members) != {SA1B_JPG, SA1B_ANN}:
-        raise SampleError(url, key, None, f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_ANN]}")
+        raise SampleError(f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_ANN]}", url=url, key=key)
     try:
         return unpack_record(members[SA1B_ANN])
     except (ValueError, msgpack.exceptions.UnpackException) as exc:
-        raise SampleError(url, key, SA1B_ANN, f"cannot unpack: {exc}") from exc
+        raise SampleError(f"cannot unpack: {exc}", url=url, key=key, field=SA1B_ANN) from exc
 
 
 def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.ndarray:
@@ -123,16 +123,17 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
     else:
         record = _packed_record(members, url, key)
     if set(record) != set(SA1B_RECORD_FIELDS):
-        raise SampleError(url, key, SA1B_ANN, f"fields {sorted(record)}, expected {sorted(SA1B_RECORD_FIELDS)}")
+        raise SampleError(f"fields {sorted(record)}, expected {sorted(SA1B_RECORD_FIELDS)}",
+                          url=url, key=key, field=SA1B_ANN)
     info, counts = record["image"], record["counts"]
     try:
         image_id, height, width = int(info["image_id"]), int(info["height"]), int(info["width"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise SampleError(url, key, "image", f"invalid image info {excerpt(repr(info))}") from exc
+        raise SampleError(f"invalid image info {excerpt(repr(info))}", url=url, key=key, field="image") from exc
     if height < 1 or width < 1 or height * width > options.max_image_pixels:
-        raise SampleError(url, key, "image", f"invalid size {height}x{width}")
+        raise SampleError(f"invalid size {height}x{width}", url=url, key=key, field="image")
     if not isinstance(counts, list) or not all(isinstance(c, bytes) for c in counts):
-        raise SampleError(url, key, "counts", "expected a list of byte strings")
+        raise SampleError("expected a list of byte strings", url=url, key=key, field="counts")
     n = len(counts)
     point_counts = _array(record, "point_counts", (n,), url, key)
     columns = {
@@ -143,7 +144,7 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
         ]
     }
     if n and point_counts.min() < 1:
-        raise SampleError(url, key, "point_counts", "every mask needs at least one point")
+        raise SampleError("every mask needs at least one point", url=url, key=key, field="point_counts")
 
     chosen = choose_masks(n, options.masks_for(epoch), seed, epoch, key)
     frame = fit(height, width, options.image_size)
@@ -154,7 +155,7 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
     try:
         masks = raster_bits([counts[i] for i in chosen], (height, width), mask_frame)
     except RLEError as exc:
-        raise SampleError(url, key, "counts", f"mask {int(chosen[exc.index])}: {exc}") from exc
+        raise SampleError(f"mask {int(chosen[exc.index])}: {exc}", url=url, key=key, field="counts") from exc
     clock.split("masks")
 
     (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
@@ -289,14 +290,15 @@ def check_batch(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list
 def _field(obj: Any, name: str, kind: type | tuple[type, ...], where: str, key: str, field: str) -> Any:
     value = obj.get(name) if isinstance(obj, dict) else None
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise SampleError(where, key, field, f"missing or not {getattr(kind, '__name__', kind)}: {excerpt(repr(value))}")
+        raise SampleError(f"missing or not {getattr(kind, '__name__', kind)}: {excerpt(repr(value))}",
+                          url=where, key=key, field=field)
     return value
 
 
 def _int64(obj: Any, name: str, where: str, key: str, field: str) -> int:
     value = _field(obj, name, int, where, key, field)
     if not -(1 << 63) <= value < 1 << 63:
-        raise SampleError(where, key, field, f"{value} is outside the int64 range"[:200])
+        raise SampleError(f"{value} is outside the int64 range"[:200], url=where, key=key, field=field)
     return value
 
 
@@ -311,7 +313,8 @@ def _numbers(value: Any, count: int | None, where: str, key: str, field: str) ->
     ok = isinstance(value, list) and (count is None or len(value) == count)
     if ok and all(_finite(v) for v in value):
         return [float(v) for v in value]
-    raise SampleError(where, key, field, f"want {count or 'some'} finite numbers, got {excerpt(repr(value))}")
+    raise SampleError(f"want {count or 'some'} finite numbers, got {excerpt(repr(value))}",
+                      url=where, key=key, field=field)
 
 
 def annotation_record(meta: Any, where: str, key: str, *,
@@ -335,7 +338,7 @@ def annotation_arrays(meta: Any, where: str, key: str, *,
     height = _field(image, "height", int, where, key, "image.height")
     file_name = _field(image, "file_name", str, where, key, "image.file_name")
     if not (0 < width and 0 < height and width * height <= MAX_IMAGE_PIXELS):
-        raise SampleError(where, key, "image", f"invalid size {width}x{height}")
+        raise SampleError(f"invalid size {width}x{height}", url=where, key=key, field="image")
     annotations = _field(meta, "annotations", list, where, key, "annotations")
     columns = _fast_columns(annotations, height, width)
     if columns is None:  # (something is wrong, or unusual: the loop below names it, or accepts it)
@@ -344,7 +347,8 @@ def annotation_arrays(meta: Any, where: str, key: str, *,
         try:
             check(columns["counts"], (height, width))
         except RLEError as exc:
-            raise SampleError(where, key, f"annotations[{exc.index}].segmentation.counts", f"invalid RLE: {exc}") from exc
+            raise SampleError(f"invalid RLE: {exc}",
+                              url=where, key=key, field=f"annotations[{exc.index}].segmentation.counts") from exc
     return {"image": {"image_id": image_id, "width": width, "height": height, "file_name": file_name}, **columns}, \
         height, width
 
@@ -413,10 +417,11 @@ def _checked_columns(annotations: list[Any], height: int, width: int, where: str
         seg = _field(ann, "segmentation", dict, where, key, f"{at}.segmentation")
         size = seg.get("size")
         if size != [height, width]:
-            raise SampleError(where, key, f"{at}.segmentation.size", f"RLE size {excerpt(repr(size))} disagrees with the image's [{height}, {width}]")
+            raise SampleError(f"RLE size {excerpt(repr(size))} disagrees with the image's [{height}, {width}]",
+                              url=where, key=key, field=f"{at}.segmentation.size")
         counts = _field(seg, "counts", str, where, key, f"{at}.segmentation.counts")
         if not counts.isascii():
-            raise SampleError(where, key, f"{at}.segmentation.counts", "not an ASCII COCO RLE string")
+            raise SampleError("not an ASCII COCO RLE string", url=where, key=key, field=f"{at}.segmentation.counts")
         columns["counts"].append(counts.encode("ascii"))
         columns["ids"].append(_int64(ann, "id", where, key, f"{at}.id"))
         columns["bbox"].append(_numbers(ann.get("bbox"), 4, where, key, f"{at}.bbox"))
@@ -425,7 +430,8 @@ def _checked_columns(annotations: list[Any], height: int, width: int, where: str
             columns[name] += _numbers([ann.get(name)], 1, where, key, f"{at}.{name}")
         points = ann.get("point_coords")
         if not isinstance(points, list) or not points:
-            raise SampleError(where, key, f"{at}.point_coords", f"want a non-empty list of [x, y], got {excerpt(repr(points))}")
+            raise SampleError(f"want a non-empty list of [x, y], got {excerpt(repr(points))}",
+                              url=where, key=key, field=f"{at}.point_coords")
         columns["point_coords"] += [_numbers(p, 2, where, key, f"{at}.point_coords") for p in points]
         columns["point_counts"].append(len(points))
     return _arrays(columns, len(annotations))
@@ -436,11 +442,11 @@ def original_record(members: dict[str, Any], url: str, key: str) -> dict[str, An
     its JSON parsed within size and nesting limits and checked by `annotation_arrays`, as packing
     checks it (but for the RLE of masks `decode_sample` does not rasterize: it checks those it does)."""
     if set(members) != {SA1B_JPG, SA1B_JSON}:
-        raise SampleError(url, key, None, f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_JSON]}")
+        raise SampleError(f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_JSON]}", url=url, key=key)
     try:
         meta = parse_json(members[SA1B_JSON])
     except ValueError as exc:
-        raise SampleError(url, key, SA1B_JSON, f"invalid JSON: {exc}"[:300]) from exc
+        raise SampleError(f"invalid JSON: {exc}"[:300], url=url, key=key, field=SA1B_JSON) from exc
     record, height, width = annotation_arrays(meta, url, key, every_rle=False)  # (`shard-pack index` checked them all)
     record["stored_size"] = [height, width]  # (the JPEG's size: `shard-pack index` checked it against the JSON's)
     return record

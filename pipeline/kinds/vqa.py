@@ -90,20 +90,20 @@ def units(options: VqaOptions) -> bool:
 
 def _check(ok: bool, url: str, key: str, field: str, message: str) -> None:
     if not ok:
-        raise SampleError(url, key, field, message)
+        raise SampleError(message, url=url, key=key, field=field)
 
 
 def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key: str, units: int = 1) -> VqaSample:
     """Unpack and check a sample's record (every field, strictly); the image is not decoded here."""
     images = [ext for ext in members if ext in _FORMATS]
     if len(images) != 1 or set(members) != {images[0], VQA_RECORD}:
-        raise SampleError(url, key, None, f"members {sorted(members)}, expected one of "
-                          f"{sorted(_FORMATS)} and {VQA_RECORD!r}")
+        raise SampleError(f"members {sorted(members)}, expected one of "
+                          f"{sorted(_FORMATS)} and {VQA_RECORD!r}", url=url, key=key)
     ext = images[0]
     try:
         record = unpack_record(members[VQA_RECORD])
     except (ValueError, msgpack.exceptions.UnpackException) as exc:
-        raise SampleError(url, key, VQA_RECORD, f"cannot unpack: {exc}") from exc
+        raise SampleError(f"cannot unpack: {exc}", url=url, key=key, field=VQA_RECORD) from exc
     _check(set(record) == set(VQA_RECORD_FIELDS), url, key, VQA_RECORD,
            f"fields {sorted(record)}, expected {sorted(VQA_RECORD_FIELDS)}")
     image, stored, questions = record["image"], record["stored_size"], record["questions"]

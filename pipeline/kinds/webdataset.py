@@ -84,15 +84,15 @@ class WebDataset:
         try:
             return Decoded(self.options.decode(sample), url, key)
         except Exception as exc:  # (the user's function: any exception is this sample's)
-            raise SampleError(url, key, None, f"decode raised {type(exc).__name__}: {exc}"[:500]) from exc
+            raise SampleError(f"decode raised {type(exc).__name__}: {exc}"[:500], url=url, key=key) from exc
 
     def collate(self, samples: Sequence[Decoded], epoch: int) -> Any:
         try:
             return self.options.collate([s.sample for s in samples])
         except Exception as exc:  # (the user's function, or default_collate refusing what decode returned)
             keys = ", ".join(f"{s.url}:{s.key}" for s in samples)
-            raise ShardstreamError(None, f"collate raised {type(exc).__name__} on the batch of samples {keys}: "
-                               f"{exc}"[:2000]) from exc
+            raise ShardstreamError(f"collate raised {type(exc).__name__} on the batch of samples {keys}: "
+                                   f"{exc}"[:2000]) from exc
 
     def finish(self, batch: Any) -> Any:
         return batch

@@ -122,7 +122,8 @@ class _Download:
                 if self.error is not None:
                     return
                 if at + len(chunk) > last:
-                    raise ShardError(self.url, f"download: bytes {first}-{last} gave more than {last - first} bytes")
+                    raise ShardError(f"download: bytes {first}-{last} gave more than {last - first} bytes",
+                                     url=self.url)
                 os.pwrite(self.fd, chunk, at)
                 at += len(chunk)
                 os.pwrite(self.arrived, np.int64(at - first).tobytes(), 8 * (2 + number))
@@ -130,7 +131,7 @@ class _Download:
                     self.done[number] = at - first
                     self.changed.notify_all()
             if at != last:
-                raise ShardError(self.url, f"download: bytes {first}-{last} gave {at - first} bytes")
+                raise ShardError(f"download: bytes {first}-{last} gave {at - first} bytes", url=self.url)
         except BaseException as exc:
             with self.changed:
                 self.error = self.error or exc
@@ -244,7 +245,7 @@ class ShardCache:
             if (found := self.lookup(url, sha256)) is not None:  # another process fetched it meanwhile
                 return found
             if (failed := self.failed(sha256)) is not None:
-                raise Mismatch(url, failed)
+                raise Mismatch(failed, url=url)
             for debris in [*glob.glob(glob.escape(path) + ".partial-*"), path + _ARRIVED]:  # (we hold the lock)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(debris)
@@ -295,7 +296,7 @@ class ShardCache:
         message = (f"{what}: the object is not the shard the manifest describes; it is not read for this shard again "
                    f"(remove {record} once the object is restored)")
         write_bytes(LocalFileSystem(), record, message.encode())
-        raise Mismatch(url, message)
+        raise Mismatch(message, url=url)
 
     def read_arriving(self, sha256: str, start: int, end: int, patience: float = 60.0) -> bytes | None:
         """Bytes [start, end) of a shard being downloaded (by any process sharing the cache), once they

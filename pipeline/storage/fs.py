@@ -109,12 +109,12 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, e
         try:
             parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", functools.partial(piece, first, stop), tries))
         except FileNotFoundError as exc:
-            raise ShardError(url, f"{what}shard is missing") from exc
+            raise ShardError(f"{what}shard is missing", url=url) from exc
         except ShardError as exc:  # (not a regular file)
-            raise ShardError(url, f"{what}{exc.message}") from exc
+            raise ShardError(f"{what}{exc.message}", url=url) from exc
         except Exception as exc:
             after = f" after {tries}" if transient(exc) else ""
-            raise ShardError(url, f"{what}cannot read bytes {first}-{stop}{after}: {describe(exc)}") from exc
+            raise ShardError(f"{what}cannot read bytes {first}-{stop}{after}: {describe(exc)}", url=url) from exc
     return b"".join(parts)
 
 

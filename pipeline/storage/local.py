@@ -44,8 +44,8 @@ def _kind(mode: int) -> str:
 def _refuse(path: str, url: str, mode: int) -> ShardError:
     real = os.path.realpath(path)
     through = f" (a symlink to {real})" if real != os.path.abspath(path) else ""
-    return ShardError(url, f"{path}{through} is {_kind(mode)}, not a regular file: a dataset's shards and index files, "
-                      "and archives to index, must be regular files")
+    return ShardError(f"{path}{through} is {_kind(mode)}, not a regular file: a dataset's shards and index files, "
+                      "and archives to index, must be regular files", url=url)
 
 
 def regular_size(path: str, url: str) -> int:
@@ -68,7 +68,7 @@ def open_regular(path: str, url: str, size: int | None = None) -> int:
         if not stat.S_ISREG(found.st_mode):
             raise _refuse(path, url, found.st_mode)
         if size is not None and found.st_size != size:
-            raise ShardError(url, f"{path} is {found.st_size} bytes, the manifest says {size}")
+            raise ShardError(f"{path} is {found.st_size} bytes, the manifest says {size}", url=url)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

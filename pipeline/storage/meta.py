@@ -37,10 +37,10 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
             path = Places(root).real(path, url)
         info = with_retries(retry, url, lambda: fs.info(path))
         if is_local(fs) and info.get("type") != "file":
-            raise ManifestError(url, f"{path} is not a regular file")
+            raise ManifestError(f"{path} is not a regular file", url=url)
         size = info["size"]
         if size > MAX_MANIFEST_BYTES:  # (outside the handlers below, which would wrap it again)
-            raise ManifestError(url, f"larger than {MAX_MANIFEST_BYTES} bytes: not a manifest this reader accepts")
+            raise ManifestError(f"larger than {MAX_MANIFEST_BYTES} bytes: not a manifest this reader accepts", url=url)
         fetch = functools.partial(read_range, fs, path, url, 0, size, retry=retry)
         if cache is not None and not is_local(fs):
             version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
@@ -52,15 +52,16 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
         raise
     except (FileNotFoundError, ShardError) as exc:
         if isinstance(exc, ShardError) and exc.__cause__ is None:  # (outside the folder, or not a regular file)
-            raise ManifestError(url, exc.message) from exc
+            raise ManifestError(exc.message, url=url) from exc
         if isinstance(exc, FileNotFoundError) or isinstance(exc.__cause__, FileNotFoundError):
-            raise ManifestError(url, "no manifest: is this a folder written by `shard-pack`? (or the bucket does "
-                                "not exist)") from exc
-        raise ManifestError(url, f"cannot read manifest: {exc.message}") from exc
+            raise ManifestError("no manifest: is this a folder written by `shard-pack`? (or the bucket does "
+                                "not exist)", url=url) from exc
+        raise ManifestError(f"cannot read manifest: {exc.message}", url=url) from exc
     except PermissionError as exc:
-        raise ManifestError(url, f"access denied: check the credentials in storage_options ({describe(exc)})") from exc
+        raise ManifestError(f"access denied: check the credentials in storage_options ({describe(exc)})",
+                            url=url) from exc
     except Exception as exc:
-        raise ManifestError(url, f"cannot read manifest: {describe(exc)}") from exc
+        raise ManifestError(f"cannot read manifest: {describe(exc)}", url=url) from exc
     manifest = Manifest.from_json(data, url)
     if manifest.version < 3:
         log.warning("%s: schema %d manifest, read with its per-sample tables in memory; `shard-pack upgrade %s` writes "
@@ -86,7 +87,7 @@ def read_index(fs: fsspec.AbstractFileSystem, base: str, root: str, shard: Shard
         return shard.inline
     info, url = shard.index, join(root, shard.index.name)
     if info.bytes > MAX_INDEX_BYTES:
-        raise ShardIndexError(url, f"the manifest says {info.bytes} bytes, more than {MAX_INDEX_BYTES}")
+        raise ShardIndexError(f"the manifest says {info.bytes} bytes, more than {MAX_INDEX_BYTES}", url=url)
     try:
         path = join(base, info.name)
         if is_local(fs):
@@ -95,10 +96,11 @@ def read_index(fs: fsspec.AbstractFileSystem, base: str, root: str, shard: Shard
         data = cache.small(f"{info.sha256}.idx", info.sha256, fetch) if cache is not None else fetch()
     except ShardError as exc:
         missing = isinstance(exc.__cause__, FileNotFoundError)
-        raise ShardIndexError(url, f"index of shard {shard.name!r} is missing (written by `shard-pack`, or by "
-                              "`shard-pack upgrade` for an older dataset)" if missing else exc.message) from exc
+        raise ShardIndexError(f"index of shard {shard.name!r} is missing (written by `shard-pack`, or by "
+                              "`shard-pack upgrade` for an older dataset)" if missing else exc.message,
+                              url=url) from exc
     digest = hashlib.sha256(data).hexdigest()
     if digest != info.sha256:
-        raise ShardIndexError(url, f"SHA-256 {digest}, the manifest says {info.sha256}")
+        raise ShardIndexError(f"SHA-256 {digest}, the manifest says {info.sha256}", url=url)
     return ShardIndex.from_bytes(data, url, samples=shard.samples, units=shard.units, shard_bytes=shard.bytes)
 

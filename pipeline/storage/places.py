@@ -67,8 +67,8 @@ class Places:
         if not (name.startswith("/") or _is_url(name)):
             return posixpath.join(self.root.rstrip("/"), name)
         if not any(within(name, place) for place in (self.root, *self.allowed)):
-            raise ShardError(name, f"the manifest of {self.root} names a file outside its folder; it is read only where "
-                             f"you allow it: {ALLOW}, e.g. allowed_roots=[{posixpath.dirname(name)!r}]")
+            raise ShardError(f"the manifest of {self.root} names a file outside its folder; it is read only where "
+                             f"you allow it: {ALLOW}, e.g. allowed_roots=[{posixpath.dirname(name)!r}]", url=name)
         return name
 
     def inside(self, name: str) -> bool:
@@ -82,8 +82,8 @@ class Places:
         real = os.path.realpath(path)
         if any(real == place or real.startswith(place.rstrip("/") + "/") for place in self._trusted):
             return real
-        raise ShardError(url, f"{path} is a symlink to {real}, outside the dataset's folder ({self.root}): links are "
-                         f"followed only inside it or where you allow it: {ALLOW}")
+        raise ShardError(f"{path} is a symlink to {real}, outside the dataset's folder ({self.root}): links are "
+                         f"followed only inside it or where you allow it: {ALLOW}", url=url)
 
     @functools.cached_property
     def _trusted(self) -> tuple[str, ...]:

@@ -76,7 +76,7 @@ class Ranged:
     def _check_size(self, actual: int | None, size: int, key: str | None, cause: Exception | None = None) -> None:
         if actual is not None and actual != size:
             what = f"sample {key!r}: " if key is not None else ""
-            raise ShardError(self.url, f"{what}shard is {actual} bytes, the manifest says {size}") from cause
+            raise ShardError(f"{what}shard is {actual} bytes, the manifest says {size}", url=self.url) from cause
 
     def stream(self, start: int, end: int) -> Iterator[bytes | memoryview]:
         """Bytes [start, end) in order as they arrive: by one request where the client streams
@@ -95,12 +95,12 @@ class Ranged:
                 if at != end:
                     raise Truncated(f"bytes {at}-{end}: the body ended early")
             except FileNotFoundError as exc:
-                raise ShardError(self.url, "shard is missing") from exc
+                raise ShardError("shard is missing", url=self.url) from exc
             except Exception as exc:
                 wait = tries.again(exc)
                 if wait is None:
                     after = f" after {tries}" if transient(exc) else ""
-                    raise ShardError(self.url, f"cannot read bytes {at}-{end}{after}: {describe(exc)}") from exc
+                    raise ShardError(f"cannot read bytes {at}-{end}{after}: {describe(exc)}", url=self.url) from exc
                 log.info("%s bytes %d-%d: %r; try %d in %.2f s", self.url, at, end, exc, tries.count + 1, wait)
                 time.sleep(wait)
 
@@ -110,9 +110,9 @@ class Ranged:
         try:
             return with_retries(self.retry, self.url, lambda: self.client.size(self.path))
         except FileNotFoundError as exc:
-            raise ShardError(self.url, f"{what}shard is missing") from exc
+            raise ShardError(f"{what}shard is missing", url=self.url) from exc
         except Exception as exc:
-            raise ShardError(self.url, f"{what}cannot stat shard: {describe(exc)}") from exc
+            raise ShardError(f"{what}cannot stat shard: {describe(exc)}", url=self.url) from exc
 
 
 def client_for(url: str, storage_options: dict[str, Any] | None) -> tuple[Client, str]:

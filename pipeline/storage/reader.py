@@ -67,8 +67,9 @@ class _Hashed:
                 digest.update(block)
                 left -= len(block)
             if digest.hexdigest() != sha256:
-                raise ShardError(url, f"content has SHA-256 {digest.hexdigest()}, the manifest says {sha256}: the "
-                                 "shard was changed since it was packed, or the manifest was edited (verify='sha256')")
+                raise ShardError(f"content has SHA-256 {digest.hexdigest()}, the manifest says {sha256}: the "
+                                 "shard was changed since it was packed, or the manifest was edited (verify='sha256')",
+                                 url=url)
             row[:] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
             log.debug("%s: SHA-256 checked", url)
         finally:
@@ -84,15 +85,15 @@ def _read_mapped(mapped: MappedFiles, verified: _Hashed | None, name: str, path:
             verified.check(name, path, url, sha256, size)
         data = mapped.read(path, url, start, end)
     except FileNotFoundError as exc:
-        raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+        raise ShardError(f"sample {key!r}: shard is missing", url=url) from exc
     except (OSError, ValueError) as exc:
-        raise ShardError(url, f"sample {key!r}: cannot read the shard: {describe(exc)}") from exc
+        raise ShardError(f"sample {key!r}: cannot read the shard: {describe(exc)}", url=url) from exc
     if len(data) < end - start:
         actual: int | str = "now fewer"
         with contextlib.suppress(OSError):
             actual = os.stat(path).st_size
-        raise ShardError(url, f"sample {key!r}: shard is {actual} bytes, shorter than the sample's range "
-                         f"({start}-{end})")
+        raise ShardError(f"sample {key!r}: shard is {actual} bytes, shorter than the sample's range "
+                         f"({start}-{end})", url=url)
     return data
 
 
@@ -190,9 +191,9 @@ class ShardReader:
         try:
             return regular_size(path, url)
         except FileNotFoundError as exc:
-            raise ShardError(url, f"sample {key!r}: shard is missing") from exc
+            raise ShardError(f"sample {key!r}: shard is missing", url=url) from exc
         except ShardError as exc:
-            raise ShardError(url, f"sample {key!r}: {exc.message}") from exc
+            raise ShardError(f"sample {key!r}: {exc.message}", url=url) from exc
 
     def read(self, name: str, size: int, sha256: str, start: int, end: int, key: str | None,
              download: bool = True) -> bytes | memoryview:
@@ -220,8 +221,8 @@ class ShardReader:
         elif is_local(fs):
             return _read_mapped(self.mapped, self._verified, name, path, url, size, sha256, start, end, key)
         if self._verified is not None:  # (an archive indexed in place, on object storage under a local dataset)
-            raise ShardError(url, f"sample {key!r}: verify='sha256' checks shards on local disk; this one is on object "
-                             "storage (`shard-pack verify` checks it)")
+            raise ShardError(f"sample {key!r}: verify='sha256' checks shards on local disk; this one is on object "
+                             "storage (`shard-pack verify` checks it)", url=url)
         return ranged.read(start, end, key, size)
 
     def _cached(self, url: str, sha256: str, start: int, end: int) -> bytes | memoryview | None:
@@ -240,7 +241,7 @@ class ShardReader:
         assert self.cache is not None
         found = self._mismatched.get(name) or self.cache.failed(sha256)
         if found is not None:
-            raise ShardError(url, f"sample {key!r}: {found}" if key is not None else found)
+            raise ShardError(f"sample {key!r}: {found}" if key is not None else found, url=url)
 
     def start_downloads(self) -> None:
         """Start the downloads of the shards read while not to `download` (the first batch's)."""
