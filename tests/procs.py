@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import signal
+import subprocess
 
 
 def _stat(pid: int) -> list[str]:
@@ -27,3 +30,15 @@ def alive(pid: int) -> bool:
         return _stat(pid)[0] != "Z"
     except OSError:
         return False
+
+
+def run_bounded(args: list[str], seconds: float, hung: str, stderr: int = subprocess.PIPE) -> tuple[str, str]:
+    """(stdout, stderr) of a fresh process in a session of its own; past `seconds`, its whole group is
+    killed and an AssertionError says `hung` (what it means that the process never ended)."""
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    try:
+        return process.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError(hung) from None

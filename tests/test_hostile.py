@@ -14,7 +14,6 @@ import pickle
 import random
 import re
 import shutil
-import signal
 import string
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import zlib
 import msgpack
 import pytest
 from PIL import Image
+from procs import run_bounded
 
 from pipeline import ManifestError, ShardstreamError, make_stream_loader
 from pipeline.errors import ShardError
@@ -380,14 +380,8 @@ except Exception as exc:
 
 
 def _run(args: list[str], seconds: float = 60) -> str:
-    """A fresh process's output; a ShardError if it runs past `seconds` (killed: its whole group)."""
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        return process.communicate(timeout=seconds)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise AssertionError(f"still running after {seconds} s (hung): {args}") from None
+    """A fresh process's output (stdout and stderr); an AssertionError if it runs past `seconds`."""
+    return run_bounded(args, seconds, f"still running after {seconds} s (hung): {args}", stderr=subprocess.STDOUT)[0]
 
 
 def test_a_fifo_or_a_device_is_refused_not_read_forever(sa1b_dataset, tmp_path):

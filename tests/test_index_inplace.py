@@ -7,8 +7,6 @@ import json
 import os
 import pathlib
 import shutil
-import signal
-import subprocess
 import sys
 import tarfile
 import uuid
@@ -28,11 +26,10 @@ from pipeline.kinds.sa1b import Sa1bOptions, unbatch
 from pipeline.storage import read_manifest
 from shard_tools.cli import main
 from shard_tools.index import SeenKeys, index_sa1b, index_webdataset
-from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
-from shard_tools.pack import PackOptions, pack
-from shard_tools.sa1b import Sa1bSource
+from shard_tools.locals3 import storage_options
 from test_hostile import _corpus
 from conftest import indexed, new_bucket, split_keys
+from procs import run_bounded
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
 SPLITS = (("train", 0.7), ("val", 0.3))  # as the packed fixture's
@@ -507,14 +504,8 @@ def test_a_fifo_or_a_device_among_the_archives_is_skipped_and_counted(sa1b_src, 
     shutil.copy(sa1b_src / "sa_000000.tar", src / "a.tar")
     os.mkfifo(src / "b.tar")
     (src / "c.tar").symlink_to("/dev/zero")
-    process = subprocess.Popen([sys.executable, "-c", _INDEX_ODD, str(src), str(tmp_path / "out")], text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise AssertionError("shard-pack index hung on a FIFO or a device") from None
+    out, err = run_bounded([sys.executable, "-c", _INDEX_ODD, str(src), str(tmp_path / "out")], 60,
+                           "shard-pack index hung on a FIFO or a device")
     samples, skipped, reasons = json.loads(out.splitlines()[-1])
     assert (samples, skipped) == (7, 2), err
     assert reasons == [f"{src}/b.tar: {src}/b.tar is a FIFO, not a regular file: a dataset's shards and index files, "

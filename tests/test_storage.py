@@ -15,7 +15,6 @@ import pathlib
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.verify import upgrade, verify
 from conftest import indexed, new_bucket, split_keys
+from procs import run_bounded
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)
 REPO = str(pathlib.Path(__file__).resolve().parent.parent)
@@ -498,15 +498,8 @@ def test_workers_forked_while_a_shard_is_hashed_never_wait_for_its_lock(sa1b_dat
     (an flock belongs to the open file): once the hash was done, the workers waited forever for a
     lock only their own copies held. The main process holds it as they fork; they finish."""
     shard, _ = indexed(sa1b_dataset)[0]
-    process = subprocess.Popen([sys.executable, "-c", _FORK_WHILE_HASHING, sa1b_dataset, shard.name, str(shard.bytes),
-                                shard.sha256], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise AssertionError("the loader's workers hung on the lock of a shard hashed as they were forked") from None
+    out, err = run_bounded([sys.executable, "-c", _FORK_WHILE_HASHING, sa1b_dataset, shard.name, str(shard.bytes),
+                            shard.sha256], 90, "the loader's workers hung on the lock of a shard hashed as they were forked")
     assert out.split() == [str(len(split_keys(sa1b_dataset)) // 2 * 2)], err
 
 
