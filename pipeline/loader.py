@@ -113,6 +113,7 @@ class StreamLoader:
         serve whichever iteration asks: a stale one must not take a batch of the next)."""
         self._check_current(generation)
         clock, start = self._clock, time.perf_counter_ns()  # the hand-off: from asking to getting (workers start)
+        self._stream.first_out[0] = 0  # (before the workers are asked; 1 once the first batch is out: `_iterate`)
         batches = iter(self._loader)
         while True:
             self._check_current(generation)
@@ -153,6 +154,7 @@ class StreamLoader:
                 finished = stream.kind.finish(batch)
                 del batch  # (released here, not at the next fetch: freeing its tensors is finishing's cost)
                 self._yielded += 1
+                stream.first_out[0] = 1  # (the workers' read-ahead waits for the first: `ShardStream._first_out`)
             with clock.stage("loop"):
                 yield finished
             if every is not None and self._yielded % every == 0:

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from pipeline.stats import Clock, WorkerTable
 __all__ = ["ShardStream", "WorkerError"]
 
 log = logging.getLogger(__name__)
+FIRST_OUT_WAIT = 10.0  # seconds a worker's read-ahead waits at most for the first batch to be handed over
 _CHUNK_ITEMS = 8192  # items whose reads are asked for at once from object storage, at most (see `_chunks`)
 
 
@@ -62,6 +64,9 @@ class ShardStream(IterableDataset):
         # the manifest's SHA-256, shared so that a shard is hashed by one worker only.
         verified = torch.zeros(sum(len(s.split) for s in sources), 3, dtype=torch.int64).share_memory_() \
             if config.verify == "sha256" else None
+        # Whether this iteration's first batch has reached the main process: a StreamLoader sets 0 before
+        # asking its workers and 1 once it has it; other workers' read-ahead waits for it (`_first_out`).
+        self.first_out = torch.ones(1, dtype=torch.int64).share_memory_()
         self.finished, self.flatten, self.split_workers = finished, flatten, split_workers
         self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
         self.readers = ProcessReaders(sources, config, verified)
@@ -141,6 +146,7 @@ class ShardStream(IterableDataset):
         try:
             for i, (batch, _, items) in enumerate(plan):
                 if i == 1:
+                    self._first_out()
                     reads.start_downloads()
                 ahead = cfg.read_ahead if i or not chunks else 0
                 while asked < len(plan) and (asked <= i + ahead or (chunks and ahead and i >= last)):
@@ -164,6 +170,14 @@ class ShardStream(IterableDataset):
 
     def _open(self, members: dict[str, Any], url: str, key: str, units: int) -> Any:
         return self.kind.open(members, url=url, key=key, units=units)
+
+    def _first_out(self) -> None:
+        """Wait (up to `FIRST_OUT_WAIT` seconds) until the iteration's first batch has reached the main
+        process: read-ahead and cache downloads would take the cores and the network from it (from its
+        decoding in another worker, from its hand-over in this one)."""
+        deadline = time.monotonic() + FIRST_OUT_WAIT
+        while not self.first_out[0] and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def _prepare(self, reads: SampleReads, sources: np.ndarray,
                  items: np.ndarray) -> tuple[list[Where], list[tuple[Where, Any]]]:

@@ -205,6 +205,34 @@ def test_first_batch_reads_the_manifest_its_shards_indexes_and_its_samples_only(
     assert fetched < allowed, (fetched, manifest_bytes, indexes, needed)
 
 
+def test_workers_read_ahead_and_download_only_once_the_first_batch_is_out(remote, sa1b_dataset, proxy, tmp_path,
+                                                                         monkeypatch):
+    """Until the main process has the loader's first batch, the workers read their first batches only: no
+    read-ahead, no shard download into the cache (they would take the cores and the network from it).
+    The first batch is held up in the main process here, so that the workers had time to run ahead."""
+    loader = make_stream_loader(remote, "train", batch_size=2, num_workers=2, storage_options=storage_options(
+        proxy.endpoint), cache_dir=str(tmp_path / "cache"), cache_limit=1 << 30, seed=5, **SMALL)
+    loader.set_epoch(1)
+    finish, out = type(loader.stream.kind).finish, []
+
+    def slow_finish(kind, batch):  # (the main process's last step before the first batch is out)
+        if not out:
+            time.sleep(1.0)
+            out.append(time.monotonic())
+        return finish(kind, batch)
+
+    monkeypatch.setattr(type(loader.stream.kind), "finish", slow_finish)
+    batches = list(loader)
+    sizes = {s.name: s.bytes for s in Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(),
+                                                         "m").splits["train"]}
+    tars = [(r, r.target.split("?")[0].rsplit("/", 1)[1]) for r in proxy.gets() if r.target.split("?")[0].endswith(".tar")]
+    before = [r for r, _ in tars if r.at < out[0]]
+    whole = [r for r, name in tars if r.headers["range"] == f"bytes=0-{sizes[name] - 1}"]
+    assert whole and all(r.at > out[0] for r in whole), "downloads began after the first batch"
+    assert 0 < len(before) <= 2 * 2, "each worker's first batch, by range"  # (2 workers, 2 samples a batch)
+    _same(batches, _epoch(sa1b_dataset))
+
+
 def _shard_gets(proxy: FaultProxy) -> list[str]:
     return [r.target.split("?")[0].rsplit("/", 1)[1] for r in proxy.gets() if r.target.split("?")[0].endswith(".tar")]
 
