@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import subprocess
 import sys

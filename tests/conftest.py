@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-from pipeline.format import Manifest, ShardIndex, ShardInfo
+from pipeline.format import ShardIndex, ShardInfo
 from pipeline.storage import filesystem, read_index, read_manifest, shard_indexes
 
 from shard_tools.pack import PackOptions, pack
@@ -53,7 +53,6 @@ def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
 @pytest.fixture(scope="session")
 def sa1b_sample(sa1b_dataset: str) -> tuple[str, bytes, bytes, bytes]:
     """One valid packed sample: its key, its raw bytes in the shard, its jpg and msgpack members."""
-    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
     shard, index = indexed(sa1b_dataset)[0]
     data = pathlib.Path(sa1b_dataset, shard.name).read_bytes()
     start, end = index.span(0)

@@ -10,14 +10,13 @@ import os
 import pathlib
 import shutil
 import subprocess
-import uuid
 
 import pytest
 import s3fs
 
 from shard_tools.cli import main
 from conftest import new_bucket
-from shard_tools.locals3 import AWS_ENV, SECRET, storage_options
+from shard_tools.locals3 import SECRET, SeaweedFS, storage_options
 
 SMALL = ["--image-size", "32", "--mask-size", "8", "--max-masks", "2"]
 

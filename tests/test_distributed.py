@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import socket
 
 import pytest
@@ -12,7 +11,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline import make_stream_loader
-from pipeline.format import Manifest
 from conftest import split_keys
 
 
@@ -46,7 +44,6 @@ def test_two_ranks_two_workers_each_sample_once(sa1b_dataset, tmp_path, shuffle,
     mp.spawn(_rank, args=(2, _free_port(), sa1b_dataset, out, shuffle, drop_last), nprocs=2, join=True)
     with open(out) as f:
         ranks = json.load(f)
-    manifest = Manifest.from_json(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes(), "m")
     split = split_keys(sa1b_dataset)
     keys = [k for r in ranks for b in r["batches"] for k in b]
     assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) == ranks[0]["len"] == ranks[1]["len"] > 0

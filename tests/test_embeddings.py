@@ -222,7 +222,6 @@ def test_repeat_pack_is_byte_identical_whatever_workers(emb_src, emb_dataset, tm
 
 
 def test_blocks_are_typed_columns_that_stock_tar_readers_see(emb_dataset):
-    manifest = Manifest.from_json((pathlib.Path(emb_dataset) / "manifest.json").read_bytes(), "m")
     shard, index = indexed(emb_dataset, "val")[0]
     with tarfile.open(pathlib.Path(emb_dataset) / shard.name) as archive:
         names = archive.getnames()
@@ -662,7 +661,6 @@ def test_verify_passes_and_catches_a_corrupted_value(emb_dataset, tmp_path, caps
     copy.mkdir()
     for name, data in _files(emb_dataset).items():
         (copy / name).write_bytes(data)
-    manifest = Manifest.from_json((copy / "manifest.json").read_bytes(), "m")
     shard, index = indexed(str(copy))[1]
     path = copy / shard.name
     with tarfile.open(path) as archive:

@@ -11,12 +11,11 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from pipeline import ManifestError, ShardstreamError, make_stream_loader
 from pipeline.errors import ShardIndexError
-from pipeline.format import MAX_INDEX_BYTES, Manifest, ShardIndex
+from pipeline.format import MAX_INDEX_BYTES, ShardIndex
 from shard_tools.cli import main
 from conftest import indexed
 from test_embeddings import emb_dataset, emb_src  # noqa: F401  (fixtures)

@@ -83,7 +83,7 @@ def test_workers_figures_reach_the_main_process_every_epoch(sa1b_dataset, persis
     assert loader.stats().batches == 0  # (reset)
 
 
-def test_a_skipped_sample_counts_as_skipped_not_as_a_sample(corrupted):
+def test_a_skipped_sample_counts_as_skipped_not_as_a_sample(corrupted):  # noqa: F811  (the fixture imported)
     root, _, _ = corrupted
     loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, on_error="skip", **SMALL)
     _, batches, samples = _timed_epoch(loader)

@@ -7,7 +7,6 @@ Run as a script, this file is what each torchrun process runs (`_main`).
 
 from __future__ import annotations
 
-import collections
 import importlib.util
 import json
 import os
