@@ -273,6 +273,19 @@ def test_cache_stays_under_its_limit_evicting_least_recently_used(remote, sa1b_d
         _epoch(remote, storage_options=storage_options(proxy.endpoint), cache_dir=str(tmp_path / "c2"), cache_limit=100)
 
 
+def test_a_downloaded_shard_is_hashed_once_as_it_arrives(remote, sa1b_dataset, proxy, tmp_path, monkeypatch):
+    """A download's SHA-256 is computed as its bytes arrive and recorded with the file: the cache does
+    not read the shard back to hash it again (it did: a second SHA-256 of every shard of a cold epoch)."""
+    hashed = []
+    monkeypatch.setattr(storage.cache, "sha256_file", lambda path: hashed.append(path) or storage.sha256_file(path))
+    options = dict(storage_options=storage_options(proxy.endpoint), cache_dir=str(tmp_path / "cache"),
+                   cache_limit=1 << 30)
+    _same(_epoch(remote, **options), _epoch(sa1b_dataset))
+    assert list((tmp_path / "cache").glob("*.tar")) and hashed == []
+    _epoch(remote, **options)  # (warm)
+    assert hashed == []
+
+
 def test_corrupted_cached_shard_is_fetched_again(remote, sa1b_dataset, proxy, tmp_path):
     options = dict(storage_options=storage_options(proxy.endpoint), cache_dir=str(tmp_path / "cache"),
                    cache_limit=1 << 30)

@@ -94,6 +94,11 @@ class _Download:
 
     def run(self, parallel: int) -> str:
         digest = hashlib.sha256()
+        if len(self.pieces) == 1:  # (one request, here: its bytes hashed as they come, not read back)
+            self._piece(0, digest.update)
+            if self.error is not None:
+                raise self.error
+            return digest.hexdigest()
         with concurrent.futures.ThreadPoolExecutor(max(1, min(parallel, len(self.pieces))), "shardstream-piece") as pool:
             for number in range(len(self.pieces)):
                 pool.submit(self._piece, number)
@@ -114,7 +119,8 @@ class _Download:
                 raise
         return digest.hexdigest()
 
-    def _piece(self, number: int) -> None:
+    def _piece(self, number: int, hashed: Callable[[bytes | memoryview], None] | None = None) -> None:
+        """Write the piece's bytes as they come (each chunk also to `hashed`, where given)."""
         first, last = self.pieces[number]
         at = first
         try:
@@ -125,6 +131,8 @@ class _Download:
                     raise ShardError(f"download: bytes {first}-{last} gave more than {last - first} bytes",
                                      url=self.url)
                 os.pwrite(self.fd, chunk, at)
+                if hashed is not None:
+                    hashed(chunk)
                 at += len(chunk)
                 os.pwrite(self.arrived, np.int64(at - first).tobytes(), 8 * (2 + number))
                 with self.changed:
@@ -213,7 +221,7 @@ class ShardCache:
         try:
             stat = os.stat(path)
             os.utime(path, ns=(time.time_ns(), stat.st_mtime_ns))  # atime = last use; mtime = last write
-            stamp = f"{stat.st_ino} {stat.st_size} {stat.st_mtime_ns}"
+            stamp = _stamp(stat)
             with contextlib.suppress(FileNotFoundError), open(path + ".ok") as f:
                 if f.read() == stamp:
                     return path
@@ -271,6 +279,8 @@ class ShardCache:
                 digest = _Download(url, fd, arrived, pieces, read, itertools.chain(arriving, stream)).run(parallel)
                 if digest != sha256:  # (recorded before the download's files go: its readers then see it)
                     self._mismatch(url, sha256, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
+                # Checked: its stamp, so that `lookup` need not hash it again (a rename keeps inode and mtime).
+                write_bytes(LocalFileSystem(), path + ".ok", _stamp(os.fstat(fd)).encode())
                 with self.locked():  # (one that makes room would miss it between its listing and its count)
                     os.replace(partial, path)  # (the reserved bytes become the shard's)
             finally:
@@ -364,6 +374,11 @@ class ShardCache:
         """The cache's lock: while it is held, the shards and downloads in the directory do not
         change, but for removals (reservations, evictions and downloads renamed into place take it)."""
         return _locked(os.path.join(self.directory, ".cache.lock"))
+
+
+def _stamp(stat: os.stat_result) -> str:
+    """What a cached file's `.ok` record holds: the file as it was when its SHA-256 was checked."""
+    return f"{stat.st_ino} {stat.st_size} {stat.st_mtime_ns}"
 
 
 def _remove(path: str) -> None:
