@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -83,3 +85,12 @@ def test_a_kind_lives_in_its_two_modules_and_the_two_registries():
         own = {f"pipeline/kinds/{kind}.py", f"shard_tools/{kind}.py", "pipeline/kinds/__init__.py", "shard_tools/kinds.py"}
         knowing = {path for path, text in texts.items() if kind in text}
         assert knowing - own <= KIND_NAMED_ALSO, (kind, sorted(knowing - own - KIND_NAMED_ALSO))
+
+
+def test_no_unused_or_undefined_names():
+    """pyflakes' checks and syntax errors (ruff's F and E9) over the code, tests and benchmarks: an
+    unused import or variable is dead code, an undefined name a bug waiting for its line to run."""
+    found = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F,E9", "--output-format", "concise",
+                            "--no-cache", "pipeline", "shard_tools", "tests", "bench", "docker"],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout + found.stderr
