@@ -113,21 +113,25 @@ class StreamLoader:
         serve whichever iteration asks: a stale one must not take a batch of the next)."""
         self._check_current(generation)
         clock, start = self._clock, time.perf_counter_ns()  # the hand-off: from asking to getting (workers start)
-        self._stream.first_out[0] = 0  # (before the workers are asked; 1 once the first batch is out: `_iterate`)
+        first_out = self._stream.first_out
+        first_out[0] = 0  # (before the workers are asked; 1 once the first batch is out: `_iterate`)
         batches = iter(self._loader)
-        while True:
-            self._check_current(generation)
-            try:
-                batch = next(batches)
-            except StopIteration:
+        try:
+            while True:
+                self._check_current(generation)
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    clock.add("hand-off", time.perf_counter_ns() - start)
+                    return
+                except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
+                    raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
+                                       f"memory?): {_describe(exc)}") from exc
                 clock.add("hand-off", time.perf_counter_ns() - start)
-                return
-            except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
-                raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
-                                   f"memory?): {_describe(exc)}") from exc
-            clock.add("hand-off", time.perf_counter_ns() - start)
-            yield batch
-            start = time.perf_counter_ns()
+                yield batch
+                start = time.perf_counter_ns()
+        finally:
+            first_out[0] = 1  # (however the iteration ends, no worker waits for its first batch)
 
     def _iterate(self, generation: int) -> Iterator[dict[str, Any]]:
         stream, clock, every = self._stream, self._clock, self.config.stats_every
@@ -154,7 +158,7 @@ class StreamLoader:
                 finished = stream.kind.finish(batch)
                 del batch  # (released here, not at the next fetch: freeing its tensors is finishing's cost)
                 self._yielded += 1
-                stream.first_out[0] = 1  # (the workers' read-ahead waits for the first: `ShardStream._first_out`)
+                stream.first_out[0] = 1  # (the workers' read-ahead waits for the first: `stream._wait_first_out`)
             with clock.stage("loop"):
                 yield finished
             if every is not None and self._yielded % every == 0:

@@ -65,7 +65,7 @@ class ShardStream(IterableDataset):
         verified = torch.zeros(sum(len(s.split) for s in sources), 3, dtype=torch.int64).share_memory_() \
             if config.verify == "sha256" else None
         # Whether this iteration's first batch has reached the main process: a StreamLoader sets 0 before
-        # asking its workers and 1 once it has it; other workers' read-ahead waits for it (`_first_out`).
+        # asking its workers and 1 once it has it; the workers' read-ahead waits for it (`_wait_first_out`).
         self.first_out = torch.ones(1, dtype=torch.int64).share_memory_()
         self.finished, self.flatten, self.split_workers = finished, flatten, split_workers
         self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
@@ -146,7 +146,7 @@ class ShardStream(IterableDataset):
         try:
             for i, (batch, _, items) in enumerate(plan):
                 if i == 1:
-                    self._first_out()
+                    _wait_first_out(self.first_out)
                     reads.start_downloads()
                 ahead = cfg.read_ahead if i or not chunks else 0
                 while asked < len(plan) and (asked <= i + ahead or (chunks and ahead and i >= last)):
@@ -170,14 +170,6 @@ class ShardStream(IterableDataset):
 
     def _open(self, members: dict[str, Any], url: str, key: str, units: int) -> Any:
         return self.kind.open(members, url=url, key=key, units=units)
-
-    def _first_out(self) -> None:
-        """Wait (up to `FIRST_OUT_WAIT` seconds) until the iteration's first batch has reached the main
-        process: read-ahead and cache downloads would take the cores and the network from it (from its
-        decoding in another worker, from its hand-over in this one)."""
-        deadline = time.monotonic() + FIRST_OUT_WAIT
-        while not self.first_out[0] and time.monotonic() < deadline:
-            time.sleep(0.002)
 
     def _prepare(self, reads: SampleReads, sources: np.ndarray,
                  items: np.ndarray) -> tuple[list[Where], list[tuple[Where, Any]]]:
@@ -239,3 +231,12 @@ def _chunks(cfg: LoaderConfig, sources: Sequence[SplitIndex], batches: int, span
     most = max(1, min(_CHUNK_ITEMS // cfg.batch_size,
                       int(cfg.read_ahead_bytes / (2 * cfg.read_amplification * cfg.batch_size * max(item, 1)))))
     return itertools.chain([1], itertools.repeat(min(most, batches)))
+
+
+def _wait_first_out(first_out: torch.Tensor) -> None:
+    """Wait (up to `FIRST_OUT_WAIT` seconds) until the iteration's first batch has reached the main
+    process (`ShardStream.first_out`): read-ahead and cache downloads would take the cores and the
+    network from it (from its decoding in another worker, from its hand-over in this one)."""
+    deadline = time.monotonic() + FIRST_OUT_WAIT
+    while not first_out[0] and time.monotonic() < deadline:
+        time.sleep(0.002)
