@@ -129,6 +129,7 @@ class StreamLoader:
                                        f"memory?): {_describe(exc)}") from exc
                 clock.add("hand-off", time.perf_counter_ns() - start)
                 yield batch
+                first_out[0] = 1  # (asked for the next: the first is out, or the device stage takes one ahead)
                 start = time.perf_counter_ns()
         finally:
             first_out[0] = 1  # (however the iteration ends, no worker waits for its first batch)

@@ -21,6 +21,8 @@ from PIL import Image
 from procs import alive, children
 from pycocotools import mask as mask_utils
 
+import pipeline.loader as loader_module
+import pipeline.stream as stream_module
 from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
 from pipeline.format import Manifest
 from pipeline.rle import fit, nearest_index
@@ -238,6 +240,38 @@ def test_missing_shard_is_named(sa1b_dataset, tmp_path):
 def test_spawned_workers(sa1b_dataset):
     a = _epoch(make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=2, multiprocessing_context="spawn", **SMALL), 1)
     _same(a, _epoch(make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, **SMALL), 1))
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("ahead", [False, True])
+def test_no_worker_waits_out_the_first_batch_wait(sa1b_dataset, monkeypatch, workers, ahead):
+    """Workers hold their read-ahead until the main process has the first batch (`_wait_first_out`);
+    however the batches are taken, that wait ends by the flag, never by its time bound (which
+    would cost 10 s). `ahead`: the CUDA stage's order, the next batch taken before this one is given
+    (here without a GPU), with one worker or none a wait on a flag nobody sets yet."""
+    wait = stream_module._wait_first_out
+
+    def strict(first_out):
+        wait(first_out)
+        if not first_out[0]:
+            raise AssertionError("a worker waited out FIRST_OUT_WAIT: the first batch's flag was never set")
+
+    def one_ahead(batches, device):  # (prefetch_to_cuda's order)
+        pending = None
+        for batch in batches:
+            if pending is not None:
+                yield pending
+            pending = batch
+        if pending is not None:
+            yield pending
+
+    monkeypatch.setattr(stream_module, "FIRST_OUT_WAIT", 3.0)
+    monkeypatch.setattr(stream_module, "_wait_first_out", strict)  # (forked workers inherit it)
+    loader = make_stream_loader(sa1b_dataset, "val", batch_size=1, num_workers=workers, **SMALL)
+    if ahead:
+        monkeypatch.setattr(loader_module, "prefetch_to_cuda", one_ahead)
+        loader.device = torch.device("cuda")
+    _same(_epoch(loader, 1), _epoch(make_stream_loader(sa1b_dataset, "val", batch_size=1, num_workers=0, **SMALL), 1))
 
 
 def test_device_and_argument_errors(sa1b_dataset):
