@@ -544,6 +544,32 @@ def test_workers_forked_while_a_shard_is_hashed_never_wait_for_its_lock(sa1b_dat
     assert out.split() == [str(len(split_keys(sa1b_dataset)) // 2 * 2)], err
 
 
+_FORK_AFTER_OBSTORE = """
+import json, logging, sys
+from pipeline import make_stream_loader
+from pipeline.storage.s3 import _CLIENTS
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
+remote, options = sys.argv[1], json.loads(sys.argv[2])
+settings = dict(batch_size=2, seed=5, storage_options=options, image_size=32, mask_size=8, max_masks=2)
+first = [b["keys"] for b in make_stream_loader(remote, "train", num_workers=0, **settings)]
+assert _CLIENTS, "the main process read through obstore"
+forked = make_stream_loader(remote, "train", num_workers=2, multiprocessing_context="fork", **settings)
+print(json.dumps([first, [b["keys"] for b in forked]]))
+"""
+
+
+def test_workers_forked_after_obstore_ran_read_through_s3fs_and_say_so(server, remote):
+    """obstore's runtime does not survive a fork: a worker forked from a process that read through it
+    reads through s3fs instead (the same samples, ~5x the CPU per request) and says why, once, as a
+    warning (one that hung or crashed there would end this process by its time bound)."""
+    out, err = run_bounded([sys.executable, "-c", _FORK_AFTER_OBSTORE, remote, json.dumps(storage_options(
+        server.endpoint))], 120, "workers forked after obstore ran in the main process hung")
+    first, forked = json.loads(out)
+    assert first == forked and first, err
+    assert err.count("cannot run here (use the 'spawn' or 'forkserver' multiprocessing context") == 2, err  # (a worker each)
+    assert err.count("WARNING") == 2, err
+
+
 def _changed_upstream(server: SeaweedFS, sa1b_dataset: str) -> tuple[str, str, list[str]]:
     """The packed fixture uploaded, then one shard rewritten upstream at the same size (a byte of a
     JPEG's header: it still decodes): (the dataset's URL, that shard's URL, its keys)."""

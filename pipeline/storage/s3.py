@@ -166,7 +166,7 @@ def _unusable(bucket: str, key: str) -> str | None:
                   "'spawn' or 'forkserver' multiprocessing context, or read no shard from s3 before forking workers)")
         if _RUNTIME[-1] != os.getpid():  # (said once per process)
             _RUNTIME.append(os.getpid())
-            log.info("s3://%s: read through s3fs (~5x the CPU per request): %s", bucket, reason)
+            log.warning("s3://%s: read through s3fs (~5x the CPU per request): %s", bucket, reason)
         return reason
     if not bucket or bucket.endswith("--x-s3"):
         return f"bucket {bucket!r} (S3 Express or none)"
