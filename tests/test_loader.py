@@ -247,7 +247,7 @@ def test_spawned_workers(sa1b_dataset):
 def test_no_worker_waits_out_the_first_batch_wait(sa1b_dataset, monkeypatch, workers, ahead):
     """Workers hold their read-ahead until the main process has the first batch (`_wait_first_out`);
     however the batches are taken, that wait ends by the flag, never by its time bound (which
-    would cost 10 s). `ahead`: the CUDA stage's order, the next batch taken before this one is given
+    would cost 10 s), in each iteration of persistent workers. `ahead`: the CUDA stage's order, the next batch taken before this one is given
     (here without a GPU), with one worker or none a wait on a flag nobody sets yet."""
     wait = stream_module._wait_first_out
 
@@ -271,7 +271,9 @@ def test_no_worker_waits_out_the_first_batch_wait(sa1b_dataset, monkeypatch, wor
     if ahead:
         monkeypatch.setattr(loader_module, "prefetch_to_cuda", one_ahead)
         loader.device = torch.device("cuda")
-    _same(_epoch(loader, 1), _epoch(make_stream_loader(sa1b_dataset, "val", batch_size=1, num_workers=0, **SMALL), 1))
+    reference = make_stream_loader(sa1b_dataset, "val", batch_size=1, num_workers=0, **SMALL)
+    for epoch in (1, 2):  # (the workers persist: the second iteration waits on the flag again)
+        _same(_epoch(loader, epoch), _epoch(reference, epoch))
 
 
 def test_device_and_argument_errors(sa1b_dataset):
