@@ -258,6 +258,16 @@ def _logging() -> None:
 
 _KEPT = "; the finished shards are kept: fix that, then run the same command again"
 
+
+def _botocore_errors() -> tuple[type[BaseException], ...]:
+    """botocore's own errors (no credentials, an endpoint it cannot reach), which s3fs lets through
+    where it reads or writes: the environment's, not bugs. None without the s3 extra."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return ()
+    return BotoCoreError, ClientError
+
 # What each error means to the caller (the module's docstring): the first entry whose classes match
 # gives the exit code and the line logged. An error none matches is a bug: it ends in a traceback.
 EXITS: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], int, Callable[[BaseException], str]], ...] = (
@@ -266,6 +276,8 @@ EXITS: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], int, C
     (TuneError, 3, str),
     (BrokenProcessPool, 3, lambda exc: "a packing worker process died (killed, or out of memory?)" + _KEPT),
     (OSError, 3, lambda exc: f"{exc}{_KEPT}"),
+    (_botocore_errors(), 2, lambda exc: f"object storage: {type(exc).__name__}: {exc} (its credentials and endpoint: "
+                                        "--storage-options, or the environment's AWS_*)"),
     (KeyboardInterrupt, 130, lambda exc: str(exc) or "interrupted"),  # Interrupted (pack, index) says how far they got
 )
 

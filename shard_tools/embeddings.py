@@ -383,7 +383,8 @@ def pack_embeddings(root: str, out: str, *, schema: str | None = None, rows_per_
 # -- `shard-pack embeddings` ------------------------------------------------------------------------
 
 def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, parents=[flags.quiet(), flags.shards("blocks", "data"), flags.workers(skipped=None, dask=dask)],
+    p = sub.add_parser(name, parents=[flags.quiet(), flags.shards("blocks", "data"), flags.workers(skipped=None, dask=dask),
+                                      flags.storage()],
                        help="pack a folder of row-aligned arrays (.npy/.safetensors) described by a schema",
                        description="Check every array against the schema (lengths, NaN/Inf, declared ranges, "
                        "references, splits), then pack blocks of rows; nothing is written if a check fails. Schema: "

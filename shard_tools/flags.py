@@ -78,10 +78,10 @@ def quiet(default: Any = argparse.SUPPRESS, text: str = "no progress bar or line
 
 
 def storage() -> argparse.ArgumentParser:
-    """`--storage-options`: every subcommand that reads a dataset or archives by URL."""
+    """`--storage-options`: every subcommand that reads or writes by URL."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--storage-options", type=storage_options, metavar="JSON", help="fsspec's options for "
-                        """the URLs read, as make_stream_loader's storage_options: a JSON object, e.g. '{"client_kwargs": """
+                        """the URLs read and written, as make_stream_loader's storage_options: a JSON object, e.g. '{"client_kwargs": """
                         """{"endpoint_url": "https://s3.example.com"}}', or @FILE holding one (credentials stay off """
                         "the command line); default: the environment's (AWS_*)")
     return parser
@@ -134,9 +134,10 @@ def workers(what: str = "processes", skipped: str | None = "input samples", *, d
 
 def pack_options(args: argparse.Namespace, *, splits: Sequence[tuple[str, float]] | None,
                  max_skipped: int) -> PackOptions:
-    """The `PackOptions` of a packing subcommand's shared flags (`shards`, `workers`)."""
+    """The `PackOptions` of a packing subcommand's shared flags (`shards`, `workers`, `storage`)."""
     return PackOptions(shard_samples=args.shard_samples, shard_bytes=args.shard_bytes, splits=splits,
-                       workers=args.workers, max_skipped=max_skipped, dask=args.dask)
+                       workers=args.workers, max_skipped=max_skipped, dask=args.dask,
+                       storage_options=args.storage_options)
 
 
 def summary(done: Any) -> int:

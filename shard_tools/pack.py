@@ -92,6 +92,8 @@ class PackOptions:
     max_skipped: int = 10
     dask: str | None = None  # a scheduler address (tcp://host:8786) or local:N for a local cluster
     task_retries: int = 2  # on Dask: further tries of a failed shard task
+    # fsspec's options for OUT (as `--storage-options`; a source has its own for its inputs): never in the manifest
+    storage_options: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("shard_samples", "shard_bytes", "workers"):
@@ -168,13 +170,14 @@ def _plan(refs: Sequence[SampleRef], options: PackOptions) -> list[_Task]:
     return tasks
 
 
-def _run_task(source: Source, task: _Task, out: str, tick: Callable[[int], None] | None) -> dict[str, Any]:
+def _run_task(source: Source, task: _Task, out: str, storage_options: dict[str, Any] | None,
+              tick: Callable[[int], None] | None) -> dict[str, Any]:
     """Write one shard; bad samples are skipped and reported; `tick(1)` after each sample. Pure in its
     inputs: same bytes every time.
 
     On object storage the shard is written to a local temporary file, then uploaded in one piece
     (an object appears only when its upload completes)."""
-    fs, base = filesystem(out)
+    fs, base = filesystem(out, storage_options)
     local = is_local(fs)
     target = join(base, task.name)
     with contextlib.ExitStack() as stack:
@@ -278,7 +281,7 @@ def pack(
     refs, skipped = _listed(source, sources)
     stored_options = _stored_options(source, options)
     fingerprint = _fingerprint(source.kind, stored_options, refs)
-    fs, base = filesystem(out)
+    fs, base = filesystem(out, options.storage_options)
     existing = _finished_pack(fs, base, out, fingerprint)
     if existing is not None:
         return _summary(existing, time.monotonic() - started, complete=True)
@@ -424,7 +427,7 @@ def _summary(manifest: Manifest, seconds: float, **more: Any) -> PackSummary:
 def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions,
              bar: Progress) -> Iterator[tuple[_Task, dict[str, Any]]]:
     """Each task run and its record, as they finish; `bar` counts their samples as they are written."""
-    remove_debris(out)
+    remove_debris(out, options.storage_options)
     if options.dask is not None:
         for task, record in _execute_dask(source, tasks, out, options):
             bar.update(len(task.refs))  # (per shard: a worker of a cluster has no cheap channel back per sample)
@@ -432,9 +435,9 @@ def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions,
         return
     if options.workers == 1 or len(tasks) <= 1:
         for task in tasks:
-            yield task, _run_task(source, task, out, bar.update)
+            yield task, _run_task(source, task, out, options.storage_options, bar.update)
         return
-    calls = [(_run_task, source, task, out, pool_tick) for task in tasks]
+    calls = [(_run_task, source, task, out, options.storage_options, pool_tick) for task in tasks]
     with worker_pool(min(options.workers, len(tasks)), calls) as (futures, done):
         pending = dict(zip(futures, tasks))
         while pending:
@@ -448,7 +451,7 @@ def _execute_dask(source: Source, tasks: list[_Task], out: str, options: PackOpt
     """The same shard tasks on a Dask cluster (`dask_tasks`). Workers write to `out` themselves: on a
     real cluster it must be storage they all reach."""
     assert options.dask is not None
-    calls = [(_run_task, source, task, out) for task in tasks]
+    calls = [(_run_task, source, task, out, options.storage_options) for task in tasks]
     names = [f"shard {task.name}" for task in tasks]
     with contextlib.closing(dask_tasks(options.dask, calls, names, retries=options.task_retries)) as results:
         for position, record in results:

@@ -54,6 +54,8 @@ class Sa1bSource:
 
     image_max_side: int | None = None
     jpeg_quality: int = 90
+    # fsspec's options for the input URLs (as `shard-pack --storage-options`): never in the manifest or fingerprint
+    storage_options: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
     kind: str = dataclasses.field(default="sa1b", init=False)
 
     def __post_init__(self) -> None:
@@ -111,7 +113,7 @@ class Sa1bSource:
 
     def _parts(self, sources: Sequence[str]):  # -> Iterator[tuple[str, str, Part]]
         for source in sources:
-            fs, path = filesystem(source)
+            fs, path = filesystem(source, self.storage_options)
             if fs.isdir(path):
                 for file in sorted(fs.find(path)):
                     if file.endswith(".tar"):
@@ -143,7 +145,7 @@ class Sa1bSource:
 
     def encode(self, ref: SampleRef) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
         parts = dict(ref.parts)
-        jpg, meta_bytes = (_read(parts[role]) for role in _ROLES)
+        jpg, meta_bytes = (_read(parts[role], self.storage_options) for role in _ROLES)
         record, (height, width) = check_pair(jpg, meta_bytes, parts["jpg"].name, parts["json"].name, ref.key)
         stored = (height, width)
         if self.image_max_side and max(height, width) > self.image_max_side:
@@ -153,8 +155,8 @@ class Sa1bSource:
         return [(SA1B_JPG, jpg), (SA1B_ANN, pack_record(record))], {"masks": len(record["counts"])}
 
 
-def _read(part: Part) -> bytes:
-    fs, path = filesystem(part.url)
+def _read(part: Part, storage_options: dict[str, Any] | None) -> bytes:
+    fs, path = filesystem(part.url, storage_options)
     return fs.cat_file(path, start=part.offset, end=part.offset + part.size)
 
 
@@ -190,7 +192,7 @@ def _check_jpeg(data: bytes, size: tuple[int, int], where: str, key: str) -> tup
 def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, parents=[flags.quiet(), flags.shards("samples"), flags.fractions(),
                                       flags.images("re-encode larger JPEGs to this long side (masks stay exact)"),
-                                      flags.workers(dask=dask)],
+                                      flags.workers(dask=dask), flags.storage()],
                        help="pack SA-1B (.tar archives and/or folders of sa_<id>.jpg + sa_<id>.json)")
     p.add_argument("sources", nargs="+", metavar="SRC", help="SA-1B .tar archives or folders")
     p.add_argument("out", metavar="OUT", help=flags.OUT)
@@ -199,7 +201,8 @@ def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     options = flags.pack_options(args, splits=parse_splits(args.split), max_skipped=args.max_skipped)
-    source = Sa1bSource(image_max_side=args.image_max_side, jpeg_quality=args.jpeg_quality)
+    source = Sa1bSource(image_max_side=args.image_max_side, jpeg_quality=args.jpeg_quality,
+                        storage_options=args.storage_options)
     return flags.summary(pack(source, args.sources, args.out, options, progress=not args.quiet))
 
 

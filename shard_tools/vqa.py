@@ -159,10 +159,10 @@ def _records_text(places: Sequence[str]) -> str:
     return ", ".join(places[:_SHOWN]) + more
 
 
-def _load(file: str) -> list[Any]:
+def _load(file: str, storage_options: dict[str, Any] | None) -> list[Any]:
     """The file's records (a JSON list, or JSON Lines for .jsonl); PackError if it cannot be read,
     InputError if it is not such JSON."""
-    fs, path = filesystem(file)
+    fs, path = filesystem(file, storage_options)
     try:
         data = fs.cat_file(path)
     except OSError as exc:
@@ -211,11 +211,12 @@ class _Listing:
     questions: dict[tuple[str, str], list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # (split, image path) -> questions
     places: dict[str, dict[str, list[str]]] = dataclasses.field(default_factory=dict)  # image path -> split -> "file record i (qid q)"
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    storage_options: dict[str, Any] | None = None  # (the source's)
 
     def add_file(self, split: str, file: str, layout: str | None, mapped: tuple[str, str, str] | None) -> None:
         """Add one annotation file's questions (its layout detected when `layout` is None); a record
         that does not fit is skipped; PackError when none fits."""
-        records = _load(file)
+        records = _load(file, self.storage_options)
         if not records:
             raise InputError("no records: nothing to pack", url=file)
         layout = layout or detect_layout(records, file)
@@ -261,6 +262,8 @@ class VqaSource:
     shared_images: str = "skip"
     image_max_side: int | None = None
     jpeg_quality: int = 90
+    # fsspec's options for the input URLs (as `shard-pack --storage-options`): never in the manifest or fingerprint
+    storage_options: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
     kind: str = dataclasses.field(default="vqa", init=False)
 
     def __post_init__(self) -> None:
@@ -296,7 +299,7 @@ class VqaSource:
         """What shaped the shards, for the manifest and the fingerprint: settings and each annotation file's SHA-256."""
         digests = []
         for name, file in self.splits:
-            fs, path = filesystem(file)
+            fs, path = filesystem(file, self.storage_options)
             try:
                 digests.append([name, file, hashlib.sha256(fs.cat_file(path)).hexdigest()])
             except OSError as exc:
@@ -319,7 +322,7 @@ class VqaSource:
         if list(sources) != self.files:
             raise ConfigError(f"sources must be the annotation files of splits, {self.files}, got {list(sources)}")
         mapped = (self.image_key, self.question_key, self.answer_key) if self.image_key is not None else None
-        listing = _Listing()
+        listing = _Listing(storage_options=self.storage_options)
         for split, file in self.splits:
             listing.add_file(split, file, "mapped" if mapped else self.layout, mapped)
         refs = self._references(listing)
@@ -361,7 +364,7 @@ class VqaSource:
 
     def _listing(self) -> dict[str, tuple[str, int]]:
         """Every file under the image root: relative path -> (URL, size), from one listing."""
-        fs, root = filesystem(self.images)
+        fs, root = filesystem(self.images, self.storage_options)
         if not fs.isdir(root):
             raise PackError(f"--images {self.images}: not a folder")
         return {posixpath.relpath(path, root): (fs.unstrip_protocol(path), int(info["size"]))
@@ -375,7 +378,7 @@ class VqaSource:
         questions = msgpack.unpackb(ref.questions, raw=False)
         places = [_where(q["source"], q["record"], q["fields"]) for q in questions if q["turn"] == 0]
         lost = f"skipped its {len(questions)} question(s) in {ref.split!r} ({_records_text(places)})"
-        fs, path = filesystem(part.url)
+        fs, path = filesystem(part.url, self.storage_options)
         try:
             data = fs.cat_file(path)
         except OSError as exc:
@@ -439,7 +442,8 @@ def _split_file(text: str) -> tuple[str, str]:
 def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, parents=[flags.quiet(), flags.images("re-encode larger images to this long side (JPEG "
                                                                   "stays JPEG, PNG stays lossless)"),
-                                      flags.shards("images"), flags.workers(skipped="records or images", dask=dask)],
+                                      flags.shards("images"), flags.workers(skipped="records or images", dask=dask),
+                                      flags.storage()],
                        help="pack a VQA collection: question/answer files per split + an image folder")
     p.add_argument("out", metavar="OUT", help=flags.OUT)
     p.add_argument("--images", required=True, metavar="ROOT", help="folder (or URL) the records' image paths are in")
@@ -459,7 +463,8 @@ def _run(args: argparse.Namespace) -> int:
     options = flags.pack_options(args, splits=None, max_skipped=args.max_skipped)
     source = VqaSource(images=args.images, splits=tuple(args.splits), layout=args.layout, image_key=args.image_key,
                        question_key=args.question_key, answer_key=args.answer_key, shared_images=args.shared_images,
-                       image_max_side=args.image_max_side, jpeg_quality=args.jpeg_quality)
+                       image_max_side=args.image_max_side, jpeg_quality=args.jpeg_quality,
+                       storage_options=args.storage_options)
     return flags.summary(pack_vqa(source, args.out, options, progress=not args.quiet))
 
 

@@ -1,20 +1,23 @@
-"""`--storage-options JSON` on every `shard-pack` subcommand that reads a dataset or archives by
-URL (inspect, verify, upgrade, preview, tune, index), against the local S3-compatible server
+"""`--storage-options JSON` on every `shard-pack` subcommand that reads or writes by URL (the packers,
+inspect, verify, upgrade, preview, tune, index), against the local S3-compatible server
 (SeaweedFS on 127.0.0.1, explicit credentials), with no credentials or endpoint in the environment:
 the options alone say where and who."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
 import shutil
 import subprocess
+import tarfile
 
 import pytest
 import s3fs
 
 from shard_tools.cli import main
+from shard_tools.sample_vqa import write_vqa
 from conftest import new_bucket
 from shard_tools.locals3 import SECRET, SeaweedFS, storage_options
 
@@ -119,3 +122,45 @@ def test_storage_options_must_be_a_json_object(command, value, message, capsys):
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert "argument --storage-options: " in err and message in err and "s3cr3t" not in err, err
+
+
+def _files(fs: s3fs.S3FileSystem, url: str) -> dict[str, bytes]:
+    base = url.removeprefix("s3://")
+    return {p.removeprefix(base + "/"): fs.cat_file(p) for p in fs.find(base)}
+
+
+def _members(tar: bytes) -> list[str]:
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        return archive.getnames()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_packers_read_and_write_s3_with_the_options_given(server, sa1b_src, tmp_path, capsys, caplog, workers):
+    """`shard-pack sa1b` and `vqa` read their inputs from s3 and write OUT there with the options alone
+    (in their worker processes too): the shards hold what packing on local disk gives (SA-1B's the
+    same bytes), and the options (credentials) are nowhere in what they wrote. Without them, a clear
+    error, not a traceback."""
+    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
+    vqa = write_vqa(tmp_path / "vqa", "vqa-rad", {"train": 3}, per_image=(1, 2))
+    src = {"sa1b": _upload(server, sa1b_src), "vqa": _upload(server, tmp_path / "vqa")}
+    local = {"sa1b": [str(sa1b_src)], "vqa": ["--images", str(tmp_path / "vqa" / "images"), "--split",
+                                              f"train={vqa['train']}"]}
+    remote = {"sa1b": [src["sa1b"]], "vqa": ["--images", f"{src['vqa']}/images", "--split", f"train={src['vqa']}/train.json"]}
+    for kind in ("sa1b", "vqa"):
+        out, made = f"s3://{new_bucket(server)}/{kind}", tmp_path / f"{kind}-local"
+        ins = (lambda a, o: [*a, o]) if kind == "sa1b" else (lambda a, o: [o, *a])
+        assert main(["-q", kind, *ins(local[kind], str(made)), "--workers", workers]) == 0
+        caplog.clear()
+        assert main(["-q", kind, *ins(remote[kind], out), "--workers", workers]) == 2, "no credentials in the environment"
+        assert "object storage: NoCredentialsError: Unable to locate credentials (its credentials and endpoint: " \
+            "--storage-options, or the environment's AWS_*)" in caplog.text
+        assert main(["-q", kind, *ins(remote[kind], out), "--workers", workers, *_options(server)]) == 0
+        written, packed = _files(fs, out), {p.name: p.read_bytes() for p in made.iterdir() if p.is_file()}
+        if kind == "sa1b":
+            assert {n: d for n, d in written.items() if n.endswith((".tar", ".idx"))} == \
+                {n: d for n, d in packed.items() if n.endswith((".tar", ".idx"))}
+        else:  # (a VQA sample records the annotation file it came from: here a URL, there a path)
+            assert {n: _members(d) for n, d in written.items() if n.endswith(".tar")} == \
+                {n: _members(d) for n, d in packed.items() if n.endswith(".tar")}
+        assert all(SECRET.encode() not in data for data in written.values())
+    capsys.readouterr()
