@@ -123,6 +123,10 @@ class EmbeddingsSource:
         value: file, field, row and value) before anything is written."""
         if rows_per_block is not None and (type(rows_per_block) is not int or rows_per_block < 1):
             raise ConfigError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
+        for where in (root, schema or ""):
+            if "://" in where:  # (else a URL would read as a relative path, "not a folder")
+                raise ConfigError(f"{where}: embeddings are packed from a local folder (their arrays are "
+                                  "memory-mapped): copy them from object storage first; OUT may be a URL")
         root = os.path.abspath(root)
         schema_path, spec = _read_schema(root, schema)
         entries = [_open_field(root, schema_path, name, entry) for name, entry in spec["fields"].items()]

@@ -355,6 +355,18 @@ def test_missing_files_are_named(tmp_path):
         EmbeddingsSource.load(str(tmp_path / "src"), schema=str(tmp_path / "nope.json"))
 
 
+def test_an_input_on_object_storage_is_refused_saying_why(tmp_path, caplog):
+    """The arrays are memory-mapped, so they are packed from a local folder: a URL is named as such
+    (it once read as a relative path: "/cwd/s3:/bucket/emb: not a folder")."""
+    for argv in (["embeddings", "s3://bucket/emb", str(tmp_path / "out")],
+                 ["embeddings", str(tmp_path), str(tmp_path / "out"), "--schema", "s3://bucket/emb/schema.json"]):
+        caplog.clear()
+        assert main(["-q", *argv]) == 2
+        assert "s3://bucket/emb" in caplog.text and "packed from a local folder (their arrays are memory-mapped): " \
+            "copy them from object storage first; OUT may be a URL" in caplog.text
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_file_changed_after_its_check_is_not_packed(tmp_path):
     src = tmp_path / "src"
     arrays = write_source(src)
