@@ -268,6 +268,7 @@ def _botocore_errors() -> tuple[type[BaseException], ...]:
         return ()
     return BotoCoreError, ClientError
 
+
 # What each error means to the caller (the module's docstring): the first entry whose classes match
 # gives the exit code and the line logged. An error none matches is a bug: it ends in a traceback.
 EXITS: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], int, Callable[[BaseException], str]], ...] = (

@@ -70,7 +70,7 @@ def exists(fs: Any, path: str) -> bool:
     return with_retries(Retry(), fs.unstrip_protocol(path), lambda: fs.exists(path))
 
 
-def remove_debris(out: str, storage_options: dict[str, Any] | None = None) -> None:
+def remove_debris(out: str, storage_options: dict[str, Any] | None) -> None:
     """What a run killed mid-way leaves besides its shards' temporary files (removed once a run
     finishes): a manifest being written. (The `sem.mp-*` semaphores a killed process group leaves
     in /dev/shm are not removed: which of them belong to a dead run cannot be told safely, since a
