@@ -25,7 +25,7 @@ from pipeline.index import SplitIndex
 from pipeline.kinds import Kind, kind_of
 from pipeline.plan import Mix, Resume, World
 from pipeline.stats import MAIN_STAGES, Clock, LoaderStats
-from pipeline.state import ORDER_SETTINGS, STATE_VERSION, fingerprint, resume_point
+from pipeline.state import ORDER_SETTINGS, STATE_VERSION, describe, fingerprint, resume_point
 from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
 from pipeline.storage.places import Places
 from pipeline.stream import ShardStream, WorkerError
@@ -38,7 +38,8 @@ _END = object()  # (an iterator's end, where a batch could be anything)
 
 
 class StreamLoader:
-    """Iterable over batches of one split; `len()` is the exact number of batches the next `iter()` yields."""
+    """Iterable over batches of one split; `len()` is the epoch's batches on this rank, as a
+    DataLoader's: after `load_state_dict`, iteration yields those the state had not taken."""
 
     def __init__(self, stream: ShardStream, loader: DataLoader, device: torch.device | None,
                  manifests: list[Manifest], split: str) -> None:
@@ -47,8 +48,6 @@ class StreamLoader:
         self.manifest = manifests[0]
         self.kind = stream.kind  # (its `options`: the kind's options this loader decodes with)
         self.config = stream.config
-        # What a saved state must match: the datasets and, when mixing, each one's share.
-        self._fingerprint = fingerprint(manifests, stream.mix.counts if stream.mix else None)
         self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
         self._generation = 0  # of the current iteration: an iterator of an earlier one is no longer valid
         self._clock, self._yielded = Clock(MAIN_STAGES, rest="other"), 0  # the main process's times (`stats`)
@@ -89,12 +88,25 @@ class StreamLoader:
             self._taken = ()
 
     @property
+    def sampler(self) -> StreamLoader:
+        """The loader itself, for trainers that choose the epoch by `loader.sampler.set_epoch(epoch)`,
+        as Lightning does at each epoch's start."""
+        return self
+
+    @property
     def skipped(self) -> int:
         """Samples skipped so far (on_error='skip'), over all epochs and workers of this process."""
         return int(self._stream.skipped[0].sum())
 
-    def __len__(self) -> int:
+    @property
+    def remaining(self) -> int:
+        """The batches the next `iter()` yields: `len()` less those a loaded state had taken."""
         return self._stream.batches()
+
+    def __len__(self) -> int:
+        """The epoch's batches on this rank, those a loaded state had taken included (Lightning and
+        torchdata's StatefulDataLoader count them so: they restore their own batch count)."""
+        return self._stream.epoch_batches()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """The epoch's batches (or the rest of them, after `load_state_dict`). A new iterator, like
@@ -168,13 +180,6 @@ class StreamLoader:
         if generation == self._generation:
             stream.state.set(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
 
-    def _identity(self) -> dict[str, Any]:
-        """What a saved state must share with the loader that resumes it."""
-        config = self.config
-        return {"version": STATE_VERSION, "fingerprint": self._fingerprint, "split": self.split,
-                "units": [int(s.sizes.sum()) for s in self._stream.sources],
-                **{name: getattr(config, name) for name in ORDER_SETTINGS}}
-
     def state_dict(self) -> dict[str, Any]:
         """Where this epoch stands, as plain data (no samples): save it with the model's checkpoint.
 
@@ -182,7 +187,7 @@ class StreamLoader:
         0's and load it on every rank, in a world of any size."""
         taken = self._taken or self._stream.state.history
         return {
-            **self._identity(),
+            **self._stream.identity,
             "epoch": self.epoch,
             "history": [[t.world_size, t.batches] for t in taken],
             "rank": self._stream.rank,
@@ -193,8 +198,9 @@ class StreamLoader:
 
         In the same world the remaining batches equal those of an uninterrupted run; with another
         world size, the samples no rank had taken are split over the new world. A state of another
-        dataset, split or ordering settings is refused. An iterator still open is no longer valid."""
-        epoch, history = resume_point(state, self._identity())
+        dataset, split, ordering settings or kind options is refused. An iterator still open is no
+        longer valid."""
+        epoch, history = resume_point(state, self._stream.identity)
         self._stream.state.set(epoch, history)
         self._taken = ()
         self._generation += 1  # an iterator still open would play the old position
@@ -308,6 +314,12 @@ def _stream(source: str | Sequence[str], split: str, config: LoaderConfig, optio
     mix = None if len(sources) == 1 and config.weights is None and config.epoch_size is None else \
         Mix.of([int(s.sizes.sum()) for s in sources], config.weights, config.epoch_size)
     stream = ShardStream(sources, mix, kind, config, world, max_workers=max_workers, **mode)
+    # What a saved state must share with the stream that resumes it: the datasets (and, when mixing,
+    # each one's share), the split, the settings that decide the order, and the kind's options.
+    stream.identity = {"version": STATE_VERSION, "fingerprint": fingerprint(manifests, mix.counts if mix else None),
+                       "split": split, "units": [int(s.sizes.sum()) for s in sources],
+                       **{name: getattr(config, name) for name in ORDER_SETTINGS}, "kind": manifests[0].kind,
+                       "options": describe(kind.options)}
     if stream.batches() == 0:
         raise DatasetError(
             f"{', '.join(roots)}: split {split!r} gives {stream.total} samples per epoch, too few for one batch of "

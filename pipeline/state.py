@@ -1,11 +1,13 @@
 """Where a loader stands: the epoch and its resumption history, shared with the DataLoader workers,
-and what a saved state (`StreamLoader.state_dict`) must share with the loader that resumes it."""
+and what a saved state (`StreamLoader.state_dict`, `ShardStream.state_dict`) must share with the
+loader that resumes it."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,9 +17,11 @@ from pipeline.errors import ConfigError
 from pipeline.format import Manifest
 from pipeline.plan import Resume
 
-__all__ = ["EpochState", "STATE_VERSION", "ORDER_SETTINGS", "fingerprint", "resume_point"]
+__all__ = ["EpochState", "STATE_VERSION", "ORDER_SETTINGS", "fingerprint", "describe", "resume_point"]
 
-STATE_VERSION = 3  # 3: the mixed order is windowed (a state of an earlier mixed epoch would not resume exactly)
+# 3: the mixed order is windowed (a state of an earlier mixed epoch would not resume exactly);
+# 4: the kind's options are part of what a state must share
+STATE_VERSION = 4
 MAX_STRETCHES = 16  # resumptions within one epoch
 # Settings a saved state must share with the loader that resumes it: they decide the samples' order.
 ORDER_SETTINGS = ("seed", "batch_size", "drop_last", "shuffle", "shuffle_window")
@@ -30,6 +34,9 @@ class EpochState:
     def __init__(self) -> None:
         # The epoch, the number of stretches, then world_size and batches of each stretch.
         self.shared = torch.zeros(2 + 2 * MAX_STRETCHES, dtype=torch.int64).share_memory_()
+        # Whether the epoch was chosen (`set_epoch`, `set`) rather than left at its initial 0: a
+        # worker's own saved position (`ShardStream.load_state_dict`) gives way only to a chosen one.
+        self.chosen = torch.zeros(1, dtype=torch.int64).share_memory_()
 
     @property
     def epoch(self) -> int:
@@ -46,6 +53,7 @@ class EpochState:
         values = [epoch, len(history)] + [v for h in history for v in (h.world_size, h.batches)]
         self.shared.zero_()
         self.shared[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        self.chosen[0] = 1
 
     def set_epoch(self, epoch: int) -> bool:
         """Play `epoch` from its beginning next, unless it is the current one (which keeps a
@@ -53,6 +61,7 @@ class EpochState:
         if not is_int_at_least(epoch, 0):
             raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
         if epoch == self.epoch:
+            self.chosen[0] = 1
             return False
         self.set(epoch, ())
         return True
@@ -65,11 +74,33 @@ def fingerprint(manifests: Sequence[Manifest], mix_counts: Sequence[int] | None)
     return hashlib.sha256(json.dumps([[m.fingerprint for m in manifests], mix_counts]).encode()).hexdigest()
 
 
+def describe(value: Any) -> Any:
+    """`value` (a kind's options) as plain JSON data, to compare with a saved state's: a function by
+    its qualified name, a dataclass by its fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: describe(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): describe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    return repr(value)
+
+
 def resume_point(state: dict[str, Any], identity: dict[str, Any]) -> tuple[int, tuple[Resume, ...]]:
     """(epoch, history) of a saved state, refused when it is of another dataset, split or order than
     `identity` says, or malformed."""
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"cannot resume: a state is a dict, got {type(state).__name__}")
     for name, value in identity.items():
         if state.get(name) != value:
+            if name == "options" and isinstance(value, dict) and isinstance(state.get(name), dict):
+                differ = sorted(k for k in value.keys() | state[name].keys() if value.get(k) != state[name].get(k))
+                detail = ", ".join(f"{k}: {state[name].get(k)!r} there, {value.get(k)!r} here" for k in differ)
+                raise ConfigError(f"cannot resume: the state was saved with other options of the kind ({detail})")
             raise ConfigError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
     try:
         history = tuple(Resume(int(w), int(b)) for w, b in state["history"])

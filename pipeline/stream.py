@@ -27,7 +27,7 @@ from pipeline.index import SplitIndex, Where, group, locate
 from pipeline.kinds import Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_batch_count, rank_sample_count
 from pipeline.read import ProcessReaders, SampleReads
-from pipeline.state import EpochState
+from pipeline.state import EpochState, resume_point
 from pipeline.stats import Clock, WorkerTable
 
 __all__ = ["ShardStream", "WorkerError"]
@@ -35,6 +35,20 @@ __all__ = ["ShardStream", "WorkerError"]
 log = logging.getLogger(__name__)
 FIRST_OUT_WAIT = 10.0  # seconds a worker's read-ahead waits at most for the first batch to be handed over
 _CHUNK_ITEMS = 8192  # items whose reads are asked for at once from object storage, at most (see `_chunks`)
+
+
+@dataclasses.dataclass
+class Position:
+    """Where one process (a DataLoader worker, or the process iterating) stands in its iteration of
+    the epoch: its plan (`epoch`, `history`, its place among `num_workers`), the plan's batches it
+    has yielded whole and, with `flatten`, the rows of the next one it has yielded."""
+
+    epoch: int
+    history: tuple[Resume, ...]
+    worker: int
+    num_workers: int
+    batches: int = 0
+    rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +84,10 @@ class ShardStream(IterableDataset):
         self.finished, self.flatten, self.split_workers = finished, flatten, split_workers
         self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
         self.readers = ProcessReaders(sources, config, verified)
+        self.identity: dict[str, Any] = {}  # what a saved state must share with this stream (`state.resume_point`)
+        # This process's own place (`state_dict`), and a loaded one its next iteration starts from.
+        self._position: Position | None = None
+        self._pending: Position | None = None
 
     @property
     def epoch(self) -> int:
@@ -85,24 +103,99 @@ class ShardStream(IterableDataset):
         c = self.config
         return rank_batch_count(self.total, self.world_size, self.rank, c.batch_size, c.drop_last, self.state.history)
 
+    def epoch_batches(self) -> int:
+        """The epoch's batches on this rank: those its history took (in any world) and the rest."""
+        return sum(h.batches for h in self.state.history) + self.batches()
+
     def __len__(self) -> int:
-        """Items the next iteration yields on this rank: batches, or samples with `flatten` (fewer if some are skipped)."""
-        return self.rank_samples(self.state.history) if self.flatten else self.batches()
+        """Items of the epoch on this rank, as a DataLoader's `len()` counts them (whatever part of it
+        was taken before a resumption, which trainers count themselves): batches, or samples with
+        `flatten` (fewer if some are skipped)."""
+        if not self.flatten:
+            return self.epoch_batches()
+        history = self.state.history
+        if len(history) == 1 and history[0].world_size == self.world_size:  # (the same world's epoch, whole)
+            return self.rank_samples(())
+        return sum(h.batches for h in history) * self.config.batch_size + self.rank_samples(history)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration plays, from the main process (HF Trainer and accelerate
         call this on datasets that have it)."""
         self.state.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """This process's place in its iteration, as plain data: torchdata's `StatefulDataLoader` (and
+        accelerate's, with `use_stateful_dataloader`) asks it of the dataset in each worker after each
+        batch, and hands it back to the same worker's `load_state_dict`. (`make_stream_loader`'s own
+        `state_dict` is the rank's, and resumes in another world size too.)"""
+        p = self._position or self._pending or self._fresh()
+        return {**self.identity, "epoch": p.epoch, "history": [[h.world_size, h.batches] for h in p.history],
+                "rank": self.rank, "world_size": self.world_size, "num_workers": p.num_workers, "worker": p.worker,
+                "batches": p.batches, "rows": p.rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start this process's next iteration where a `state_dict()` of the same worker of the same
+        world left off: no sample yielded twice, none decoded again. A state of another dataset, split,
+        order or kind options, another world or another number of DataLoader workers is refused."""
+        epoch, history = resume_point(state, self.identity)
+        try:
+            world, rank, workers, worker = (int(state[k]) for k in ("world_size", "rank", "num_workers", "worker"))
+            batches, rows = int(state["batches"]), int(state["rows"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"cannot resume: malformed state ({exc!r}): a state_dict() of the dataset (of "
+                              "make_stream_dataset or trainer_dataset) is wanted") from exc
+        if (rank, world) != (self.rank, self.world_size):
+            raise ConfigError(f"cannot resume: the state is of rank {rank} of world_size {world}, this dataset is rank "
+                              f"{self.rank} of world_size {self.world_size}; a DataLoader's state resumes in the same "
+                              "world only (make_stream_loader's state_dict resumes in another)")
+        here = self._world()
+        if (workers, worker) != (here.num_workers, here.worker):
+            raise ConfigError(f"cannot resume: the state is of DataLoader worker {worker} of {workers}, this is worker "
+                              f"{here.worker} of {here.num_workers}: resume with num_workers={workers if workers > 1 else 0}")
+        self._pending = Position(epoch, history, worker, workers, batches, rows)
+        self._position = None
+
+    def _world(self) -> World:
         info = get_worker_info() if self.split_workers else None
-        world = World(self.rank, self.world_size, info.id if info else 0, info.num_workers if info else 1)
+        return World(self.rank, self.world_size, info.id if info else 0, info.num_workers if info else 1)
+
+    def _fresh(self) -> Position:
+        world = self._world()
+        return Position(self.state.epoch, self.state.history, world.worker, world.num_workers)
+
+    def _start(self) -> Position:
+        """Where this iteration starts: at the shared epoch and history (set by the main process), or
+        at a position loaded in this process, unless the main process chose another epoch since."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._fresh()
+        state = self.state
+        if (state.chosen[0] and state.epoch != pending.epoch) or (state.history and state.history != pending.history):
+            raise ConfigError(f"cannot resume: the loaded state is of epoch {pending.epoch} after "
+                              f"{[[h.world_size, h.batches] for h in pending.history]}, and this dataset was set to "
+                              f"epoch {state.epoch} after {[[h.world_size, h.batches] for h in state.history]} since; "
+                              f"call set_epoch({pending.epoch}), or none, before iterating")
+        return pending
+
+    def __iter__(self) -> Iterator[Any]:
+        world = self._world()
         if world.num_workers > self.skipped.shape[1]:
             raise ConfigError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
                               f"({self.skipped.shape[1]}); pass max_workers")
+        self._position = position = self._start()
+        return self._yield(world, position)
+
+    def _yield(self, world: World, position: Position) -> Iterator[Any]:
+        """The iteration's batches or samples from `position` on, which it keeps up to date."""
+        info = get_worker_info() if self.split_workers else None
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
         clock = self.times.clock()
-        made = self._batches(world, self.state.epoch, self.state.history, clock)
+        # Resuming inside a batch: its first rows are not decoded again, unless skips may have left out
+        # some of them (then they are decoded and dropped: rows and samples no longer correspond).
+        exact = self.config.on_error == "raise"
+        made = self._batches(world, position.epoch, position.history, clock, position.batches,
+                             position.rows if exact else 0)
+        drop = 0 if exact else position.rows
         batches = self.times.timed(world.worker, clock, made)  # (each batch's making: its "active" time)
         try:
             while True:
@@ -116,7 +209,18 @@ class ShardStream(IterableDataset):
                     break
                 if self.finished:
                     batch = self.kind.finish(batch)
-                yield from self.kind.unbatch(batch) if self.flatten else (batch,)
+                if not self.flatten:
+                    position.batches += 1
+                    yield batch
+                    continue
+                rows = self.kind.unbatch(batch)[drop:]
+                drop = 0
+                for i, row in enumerate(rows):  # (counted before it is handed over: a state taken then includes it)
+                    position.batches, position.rows = (position.batches + 1, 0) if i == len(rows) - 1 else \
+                        (position.batches, position.rows + 1)
+                    yield row
+                if not rows:
+                    position.batches, position.rows = position.batches + 1, 0
         except ShardstreamError as exc:
             if info is None or self.finished:
                 raise
@@ -125,9 +229,10 @@ class ShardStream(IterableDataset):
         finally:
             batches.close()
 
-    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...],
-                 clock: Clock) -> Iterator[tuple[Any, int]]:
-        """plan -> read (`read_ahead` batches ahead of decoding) -> open/decode -> collate: (batch, its samples)."""
+    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...], clock: Clock, start: int = 0,
+                 rows: int = 0) -> Iterator[tuple[Any, int]]:
+        """plan -> read (`read_ahead` batches ahead of decoding) -> open/decode -> collate: (batch, its
+        samples), from the plan's batch `start` on, less the first `rows` samples of that one."""
         cfg = self.config
         budget = cfg.max_errors  # skips allowed in this iteration of the rank
         if isinstance(budget, float):
@@ -139,31 +244,36 @@ class ShardStream(IterableDataset):
         reads = SampleReads(self.sources, readers, opened, cfg, self._open, clock)
         prepared: dict[int, list[tuple[Where, Any]]] = {}
         chunks = _chunks(cfg, self.sources, len(plan), any(reads.spanned))
-        asked, last = 0, 0  # batches asked for; the first batch of the last chunk asked for
+        asked, last = start, start  # batches asked for; the first batch of the last chunk asked for
         # From object storage, the first batch's reads alone, by range (not from the shard cache's downloads);
         # read-ahead and downloads begin with the second batch (they would compete with them).
         reads.downloads = chunks is None
         try:
-            for i, (batch, _, items) in enumerate(plan):
-                if i == 1:
+            for i in range(start, len(plan)):
+                batch, _, items = plan[i]
+                if i == start + 1:
                     _wait_first_out(self.first_out)
                     reads.start_downloads()
-                ahead = cfg.read_ahead if i or not chunks else 0
+                ahead = cfg.read_ahead if i > start or not chunks else 0
                 while asked < len(plan) and (asked <= i + ahead or (chunks and ahead and i >= last)):
                     last, wheres = asked, []
                     for later in range(asked, min(asked + (next(chunks) if chunks else 1), len(plan))):
-                        more, prepared[later] = self._prepare(reads, *plan[later][1:])
+                        sources, ids = plan[later][1:]
+                        cut = rows if later == start else 0
+                        more, prepared[later] = self._prepare(reads, sources[cut:], ids[cut:])
                         wheres += more
                         asked += 1
                     reads.ahead(wheres)
                 with clock.stage("decode"):  # (the reads' waits and opens in it are theirs: `LoaderStats.of`)
                     pieces, lost = self._decode(reads, prepared.pop(i), epoch, world.worker, budget, clock)
-                if not pieces:
+                if not pieces and len(items) > (rows if i == start else 0):
                     raise ShardError(f"all {len(items)} samples of batch {batch} failed; ranks "
                                      "cannot stay in step", url=self.sources[0].root)
+                if not pieces:  # (resumed after the last row of a batch)
+                    continue
                 with clock.stage("collate"):
                     collated = self._collate(pieces, world, epoch)
-                yield collated, len(items) - lost
+                yield collated, len(items) - (rows if i == start else 0) - lost
             reads.settle()
         finally:
             reads.close()

@@ -57,9 +57,9 @@ def test_resume_equals_uninterrupted(sa1b_dataset, workers, persistent):
         assert state["epoch"] == 3 and state["history"] == ([[1, k]] if k else [])
         resumed = _loader(sa1b_dataset, num_workers=workers, persistent_workers=persistent)
         resumed.load_state_dict(state)
-        assert len(resumed) == len(full) - k
+        assert len(resumed) == len(full) and resumed.remaining == len(full) - k, "len(): the epoch's, as Lightning counts"
         _assert_same(_run(resumed, 3), full[k:])
-        assert len(resumed) == len(full), "once the epoch is done, it plays whole again"
+        assert len(resumed) == resumed.remaining == len(full), "once the epoch is done, it plays whole again"
         _assert_same(_run(resumed, 4), _run(_loader(sa1b_dataset), 4))
 
 
