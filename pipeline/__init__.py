@@ -1,12 +1,13 @@
 """shardstream's streaming side: `make_stream_loader()` for training scripts; `make_stream_dataset()`,
-`trainer_dataset()` and `trl_dataset()` for trainers with their own DataLoader."""
+`trainer_dataset()` and `trl_dataset()` for trainers with their own DataLoader; `resume_callback()`
+to resume HF Trainer mid-epoch without replay."""
 
 from pipeline.errors import ManifestError, SampleError, ShardError, ShardstreamError
 from pipeline.config import LoaderConfig
 from pipeline.loader import LoaderStats, StreamLoader, make_stream_dataset, make_stream_loader, validate_first_batch
 from pipeline.plan import World, plan_epoch
 from pipeline.tario import ReadLimits
-from pipeline.trainers import trainer_dataset, trl_dataset
+from pipeline.trainers import resume_callback, trainer_dataset, trl_dataset
 
 __all__ = [
     "make_stream_loader",
@@ -14,6 +15,7 @@ __all__ = [
     "make_stream_dataset",
     "trainer_dataset",
     "trl_dataset",
+    "resume_callback",
     "StreamLoader",
     "LoaderStats",
     "LoaderConfig",

@@ -17,7 +17,8 @@ from pipeline.errors import ConfigError
 from pipeline.format import Manifest
 from pipeline.plan import Resume
 
-__all__ = ["EpochState", "STATE_VERSION", "ORDER_SETTINGS", "fingerprint", "describe", "resume_point"]
+__all__ = ["EpochState", "STATE_VERSION", "ORDER_SETTINGS", "fingerprint", "describe", "check_identity",
+           "resume_point"]
 
 # 3: the mixed order is windowed (a state of an earlier mixed epoch would not resume exactly);
 # 4: the kind's options are part of what a state must share
@@ -90,9 +91,8 @@ def describe(value: Any) -> Any:
     return repr(value)
 
 
-def resume_point(state: dict[str, Any], identity: dict[str, Any]) -> tuple[int, tuple[Resume, ...]]:
-    """(epoch, history) of a saved state, refused when it is of another dataset, split or order than
-    `identity` says, or malformed."""
+def check_identity(state: Any, identity: dict[str, Any]) -> None:
+    """Refuse a saved state of another dataset, split, order or kind options than `identity` says."""
     if not isinstance(state, Mapping):
         raise ConfigError(f"cannot resume: a state is a dict, got {type(state).__name__}")
     for name, value in identity.items():
@@ -102,6 +102,12 @@ def resume_point(state: dict[str, Any], identity: dict[str, Any]) -> tuple[int, 
                 detail = ", ".join(f"{k}: {state[name].get(k)!r} there, {value.get(k)!r} here" for k in differ)
                 raise ConfigError(f"cannot resume: the state was saved with other options of the kind ({detail})")
             raise ConfigError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
+
+
+def resume_point(state: dict[str, Any], identity: dict[str, Any]) -> tuple[int, tuple[Resume, ...]]:
+    """(epoch, history) of a saved state, refused when it is of another dataset, split, order or kind
+    options than `identity` says, or malformed."""
+    check_identity(state, identity)
     try:
         history = tuple(Resume(int(w), int(b)) for w, b in state["history"])
         epoch = int(state["epoch"])

@@ -1,6 +1,7 @@
 """Datasets for other libraries' training loops: `trainer_dataset` for any trainer that batches samples
 in its own DataLoader (HF Trainer, accelerate, Lightning, a plain loop), `trl_dataset` for TRL's
-GRPOTrainer (needs the `hf` extra: the `datasets` library).
+GRPOTrainer (needs the `hf` extra: the `datasets` library), and `resume_callback`, which resumes
+HF Trainer mid-epoch without decoding the epoch's start again (needs transformers).
 
 These adapters import the loader; the loader never imports them.
 """
@@ -21,7 +22,7 @@ from pipeline.tario import ReadLimits
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["trainer_dataset", "trl_dataset"]
+__all__ = ["trainer_dataset", "trl_dataset", "resume_callback"]
 
 
 def _positive(name: str, value: Any) -> int:
@@ -122,3 +123,18 @@ def trl_dataset(
                                  storage_options=storage_options, limits=limits, per="question", image_size=image_size,
                                  form="trl")
     return iterable_dataset(stream, split)
+
+
+def resume_callback(dataset: IterableDataset) -> Any:
+    """A `transformers.TrainerCallback` for HF Trainer over `dataset` (a `trainer_dataset`):
+    `Trainer(..., train_dataset=dataset, callbacks=[resume_callback(dataset)])`. With it,
+    `trainer.train(resume_from_checkpoint=...)` continues at the exact next sample, nothing decoded
+    twice: the dataset is positioned from the checkpoint's global step, instead of HF's data skip
+    (which it turns off). A checkpoint of another dataset, split, order, kind options or global
+    batch (`per_device_train_batch_size x world_size`) is refused; the same global batch resumes on
+    any number of processes. See docs/trainers.md."""
+    try:
+        from pipeline.hf_trainer import StreamResume
+    except ImportError as exc:
+        raise ImportError(f"resume_callback needs transformers ({exc}): pip install 'transformers>=5'") from exc
+    return StreamResume(dataset)

@@ -456,9 +456,131 @@ def _hf_rank(root: str, out: str) -> None:
     (pathlib.Path(out) / f"hf-{rank}.json").write_text(json.dumps(results))
 
 
+# -- HF Trainer, resumed mid-epoch -------------------------------------------------------------------
+
+
+def _hf_resumable(root: str, out: str, workers: int, *, stop: int | None = None, resume: str | None = None,
+                  batch_size: int = 2, accumulate: int = 1, world: int = 1, seed: int = SEED,
+                  image_size: int = 16) -> dict[str, Any]:
+    """HF Trainer over `trainer_dataset` with `resume_callback`, 2 epochs: stopped after global step
+    `stop` (a checkpoint there), or resumed from the checkpoint `resume`. What it trained on, per epoch,
+    and the samples its process decoded (with no DataLoader workers: counted in this process)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from pipeline import resume_callback
+    from pipeline.kinds.vqa import Vqa
+
+    class Epochs(TrainerCallback):
+        def on_epoch_begin(self, args, state, control, model=None, **kwargs):
+            probe.seen.append([])
+
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch_size, num_train_epochs=2,
+                             gradient_accumulation_steps=accumulate, dataloader_num_workers=workers,
+                             remove_unused_columns=False, use_cpu=True, report_to="none", logging_steps=1000,
+                             disable_tqdm=True, save_strategy="steps" if stop else "no", save_steps=stop or 500,
+                             max_steps=stop or -1)
+    ds = trainer_dataset(root, "train", batch_size=batch_size, world_size=world, seed=seed, per="question",
+                         image_size=image_size)
+    probe = _Probe()
+    trainer = Trainer(model=probe, args=args, train_dataset=ds, data_collator=_Ids(_numbering(root)),
+                      callbacks=[Epochs(), resume_callback(ds)])
+    decoded = []
+    decode = Vqa.decode
+
+    def counted(self, opened, **kwargs):
+        decoded.append(1)
+        return decode(self, opened, **kwargs)
+
+    Vqa.decode = counted
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        Vqa.decode = decode
+    return {"seen": probe.seen, "decoded": len(decoded), "steps": len(trainer.get_train_dataloader()),
+            "epoch": trainer.state.epoch, "log": trainer.state.log_history}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("workers", "accumulate", "batch"), [(0, 1, 2), (2, 1, 2), (0, 2, 3)])
+def test_hf_trainer_resumes_mid_epoch_exactly_without_replay(vqa, tmp_path, workers, accumulate, batch):
+    whole = _hf_resumable(vqa, str(tmp_path / "whole"), workers, accumulate=accumulate, batch_size=batch)
+    steps = whole["steps"]  # batches an epoch
+    assert steps % accumulate == 0 and steps > 2 * accumulate and len(whole["seen"]) == 2
+    for stop in (steps // accumulate // 2, steps // accumulate + 1):  # mid-epoch 0, and early in epoch 1
+        out = str(tmp_path / f"stop-{stop}")
+        first = _hf_resumable(vqa, out, workers, stop=stop, accumulate=accumulate, batch_size=batch)
+        resumed = _hf_resumable(vqa, out, workers, resume=f"{out}/checkpoint-{stop}", accumulate=accumulate,
+                                batch_size=batch)
+        trained = [i for epoch in first["seen"] + resumed["seen"] for i in epoch]
+        assert trained == [i for epoch in whole["seen"] for i in epoch], "the uninterrupted run's samples, in order"
+        rest = sum(map(len, resumed["seen"]))
+        assert rest == batch * (2 * steps - stop * accumulate)
+        if workers == 0:
+            assert resumed["decoded"] == rest, "nothing decoded twice"
+        assert resumed["epoch"] == whole["epoch"] == 2.0
+        epochs = [entry["epoch"] for entry in resumed["log"] if "loss" in entry or "train_loss" in entry]
+        assert epochs[-1] == 2.0
+
+
+@pytest.mark.slow
+def test_hf_trainer_resumes_on_two_processes_and_on_one(vqa, tmp_path):
+    """2 processes (global batches of 2 x 2, accelerate dispatching them), stopped mid-epoch and resumed
+    on 2; the same checkpoint resumed on 1 process with the same global batch (1 x 4)."""
+    _torchrun(2, "hf-resume", vqa, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"hf-resume-{rank}.json").read_text()) for rank in range(2)]
+
+    def steps(run: dict[str, Any], rank: int) -> list[list[int]]:  # each global batch's part on this rank
+        flat = [i for epoch in run["seen"] for i in epoch]
+        return [flat[k : k + 2] for k in range(0, len(flat), 2)]
+
+    whole = [a + b for a, b in zip(steps(ranks[0]["whole"], 0), steps(ranks[1]["whole"], 1))]
+    first = [a + b for a, b in zip(steps(ranks[0]["first"], 0), steps(ranks[1]["first"], 1))]
+    resumed = [a + b for a, b in zip(steps(ranks[0]["resumed"], 0), steps(ranks[1]["resumed"], 1))]
+    stop = len(first)
+    assert 0 < stop < len(whole) // 2 and first + resumed == whole
+    alone = _hf_resumable(vqa, str(tmp_path / "hf"), 0, resume=str(tmp_path / "hf" / f"checkpoint-{stop}"),
+                          batch_size=4)
+    flat = [i for epoch in alone["seen"] for i in epoch]
+    assert flat == [i for batch in whole[stop:] for i in batch], "the same global batch on 1 process: exact"
+    assert alone["decoded"] == len(flat)
+
+
+def _hf_resume_rank(root: str, out: str) -> None:
+    rank, results = int(os.environ["RANK"]), {}
+    results["whole"] = _hf_resumable(root, f"{out}/whole", 0, world=2)
+    stop = results["whole"]["steps"] // 2
+    results["first"] = _hf_resumable(root, f"{out}/hf", 0, stop=stop, world=2)
+    results["resumed"] = _hf_resumable(root, f"{out}/hf", 0, resume=f"{out}/hf/checkpoint-{stop}", world=2)
+    for run in results.values():
+        del run["log"]
+    (pathlib.Path(out) / f"hf-resume-{rank}.json").write_text(json.dumps(results))
+
+
+def test_hf_trainer_resume_refuses_what_it_cannot_do_exactly(vqa, tmp_path):
+    from pipeline.errors import ConfigError
+
+    out = str(tmp_path / "run")
+    _hf_resumable(vqa, out, 0, stop=2, accumulate=2)  # 9 batches an epoch: the last accumulation is partial
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 does not divide the epoch's 9 batches"):
+        _hf_resumable(vqa, out, 0, resume=f"{out}/checkpoint-2", accumulate=2)
+
+
+def test_hf_trainer_resume_refuses_a_checkpoint_of_another_run(vqa, tmp_path):
+    from pipeline.errors import ConfigError
+
+    out = str(tmp_path / "run")
+    _hf_resumable(vqa, out, 0, stop=2)
+    for change, message in (({"seed": SEED + 1}, "seed is 3, this loader's is 4"),
+                            ({"image_size": 24}, "image_size: 16 there, 24 here"),
+                            ({"batch_size": 3}, r"global batch is 2 \(1 processes x 2\), this run's is 3")):
+        with pytest.raises(ConfigError, match=message):
+            _hf_resumable(vqa, out, 0, resume=f"{out}/checkpoint-2", **change)
+
 def _main(argv: list[str]) -> int:
     if argv[0] == "grpo":
         _grpo_rank(*argv[1:])
+    elif argv[0] == "hf-resume":
+        _hf_resume_rank(*argv[1:])
     else:
         _hf_rank(*argv[1:])
     # Without this, gloo's threads may still hold work when the interpreter is torn down, and the
