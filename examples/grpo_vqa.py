@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed
 from trl import GRPOConfig, GRPOTrainer
 
-from pipeline import trl_dataset
+from pipeline import resume_callback, trl_dataset
 
 
 def exact_match(completions: list[list[dict[str, str]]], answer: list[str], **kwargs: Any) -> list[float]:
@@ -26,8 +26,10 @@ def exact_match(completions: list[list[dict[str, str]]], answer: list[str], **kw
 
 def make_trainer(model: Any, shards: str, output_dir: str, *, epochs: int = 1, batch_size: int = 8,
                  num_generations: int = 4, image_size: int = 448, seed: int = 0,
-                 reward_funcs: Sequence[Callable[..., list[float]]] = (exact_match,), **config: Any) -> GRPOTrainer:
-    """A GRPOTrainer over the split "train" of `shards` for `epochs` epochs (`config`: more GRPOConfig)."""
+                 reward_funcs: Sequence[Callable[..., list[float]]] = (exact_match,), callbacks: Sequence[Any] = (),
+                 **config: Any) -> GRPOTrainer:
+    """A GRPOTrainer over the split "train" of `shards` for `epochs` epochs (`config`: more GRPOConfig),
+    which `trainer.train(resume_from_checkpoint=...)` resumes at the next question, none decoded twice."""
     train = trl_dataset(shards, "train", image_size=image_size, seed=seed)
     args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=batch_size, num_generations=num_generations,
                       shuffle_dataset=False,  # trl_dataset shuffles the whole split by (seed, epoch) itself
@@ -41,7 +43,8 @@ def make_trainer(model: Any, shards: str, output_dir: str, *, epochs: int = 1, b
     if args.process_index == 0:
         print(f"{questions} questions: {rounds * args.generation_batch_size // num_generations} per epoch in "
               f"{steps} steps of {args.generation_batch_size} completions, {epochs} epochs")
-    return GRPOTrainer(model=model, reward_funcs=list(reward_funcs), train_dataset=train, args=args)
+    return GRPOTrainer(model=model, reward_funcs=list(reward_funcs), train_dataset=train, args=args,
+                       callbacks=[resume_callback(train), *callbacks])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,13 +58,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU in float32")
+    parser.add_argument("--save-steps", type=int, help="save a checkpoint every this many steps (default: none)")
+    parser.add_argument("--resume", help="a checkpoint folder (OUT/checkpoint-N) to resume from")
     args = parser.parse_args(argv)
     extra = {"use_cpu": True, "bf16": False} if args.cpu else {}
     trainer = make_trainer(args.model, args.shards, args.out, epochs=args.epochs, batch_size=args.batch_size,
                            num_generations=args.generations, image_size=args.image_size,
-                           max_completion_length=args.max_completion_length, report_to="none", save_strategy="no",
-                           **extra)
-    trainer.train()
+                           max_completion_length=args.max_completion_length, report_to="none",
+                           save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, **extra)
+    trainer.train(resume_from_checkpoint=args.resume)
     if torch.distributed.is_initialized():  # under torchrun: gloo may abort at exit if left up
         torch.distributed.destroy_process_group()
     return 0

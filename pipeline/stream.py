@@ -155,6 +155,17 @@ class ShardStream(IterableDataset):
         self._pending = Position(epoch, history, worker, workers, batches, rows)
         self._position = None
 
+    def start_at(self, items: int) -> None:
+        """Start this process's next iteration of the chosen epoch after the first `items` items it
+        would yield, none of them decoded (for a wrapper that counts what it took: `pipeline.hf_datasets`).
+        Needs on_error="raise": with skips, items yielded no longer tell batches apart."""
+        if self.config.on_error != "raise" or not self.flatten:
+            raise ConfigError("start_at needs flatten=True and on_error='raise'")
+        world = self._world()
+        batches, rows = divmod(items, self.config.batch_size)
+        self._pending = Position(self.state.epoch, self.state.history, world.worker, world.num_workers, batches, rows)
+        self._position = None
+
     def _world(self) -> World:
         info = get_worker_info() if self.split_workers else None
         return World(self.rank, self.world_size, info.id if info else 0, info.num_workers if info else 1)
