@@ -50,6 +50,7 @@ class StreamLoader:
         self.config = stream.config
         self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
         self._generation = 0  # of the current iteration: an iterator of an earlier one is no longer valid
+        self._started = -1  # the generation whose iterator has begun (one not begun plays the position it finds)
         self._clock, self._yielded = Clock(MAIN_STAGES, rest="other"), 0  # the main process's times (`stats`)
         self._baseline = self._figures()
 
@@ -82,10 +83,16 @@ class StreamLoader:
         """Select the epoch the next `iter()` plays (its shuffle and mask sampling). Call before iterating.
 
         After `load_state_dict`, setting the saved epoch keeps the resumption point; any other epoch
-        starts from its beginning (and an iterator still open is no longer valid)."""
+        starts from its beginning (and an iterator that has begun is no longer valid; one not begun
+        plays it: Lightning makes its iterator, then sets the epoch)."""
         if self._stream.state.set_epoch(epoch):
+            self._moved()
+
+    def _moved(self) -> None:
+        """The position changed: an iterator that has begun would play the old one."""
+        self._taken = ()
+        if self._started == self._generation:
             self._generation += 1
-            self._taken = ()
 
     @property
     def sampler(self) -> StreamLoader:
@@ -110,8 +117,9 @@ class StreamLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """The epoch's batches (or the rest of them, after `load_state_dict`). A new iterator, like
-        `load_state_dict` and `set_epoch` to another epoch, ends the validity of any earlier one
-        still open: using that again raises, so it never counts batches in `state_dict()`."""
+        `load_state_dict` and `set_epoch` to another epoch after it has begun, ends the validity of
+        any earlier one still open: using that again raises, so it never counts batches in
+        `state_dict()`. An iterator plays the position the loader has when it begins."""
         self._generation += 1
         return self._iterate(self._generation)
 
@@ -147,6 +155,8 @@ class StreamLoader:
             first_out[0] = 1  # (however the iteration ends, no worker waits for its first batch)
 
     def _iterate(self, generation: int) -> Iterator[dict[str, Any]]:
+        self._check_current(generation)
+        self._started = generation
         stream, clock, every = self._stream, self._clock, self.config.stats_every
         clock.mark()  # (from here, the time outside the stages' blocks is "other")
         history, world_size = stream.state.history, stream.world_size
@@ -202,8 +212,7 @@ class StreamLoader:
         longer valid."""
         epoch, history = resume_point(state, self._stream.identity)
         self._stream.state.set(epoch, history)
-        self._taken = ()
-        self._generation += 1  # an iterator still open would play the old position
+        self._moved()
         self._stream.batches()  # refuse now a history this dataset cannot have
 
 

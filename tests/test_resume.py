@@ -194,3 +194,17 @@ def test_a_training_process_killed_mid_epoch_resumes_exactly(sa1b_dataset, tmp_p
     resumed = _loader(sa1b_dataset, num_workers=2)
     resumed.load_state_dict(state)
     _assert_same(_run(resumed, 2), full[stop:])
+
+
+def test_an_iterator_not_begun_plays_the_position_it_finds(sa1b_dataset):
+    """Lightning makes its iterator, then sets the epoch (or loads a state) before its first batch."""
+    expected = _run(_loader(sa1b_dataset), 1)
+    loader = _loader(sa1b_dataset, num_workers=2)
+    batches = iter(loader)
+    loader.set_epoch(1)
+    _assert_same(list(batches), expected)
+    partial = _loader(sa1b_dataset)
+    _run(partial, 1, stop=2)
+    batches = iter(loader)
+    loader.load_state_dict(partial.state_dict())
+    _assert_same(list(batches), expected[2:])
