@@ -4,7 +4,7 @@ copies one batch ahead on a side stream) under Lightning's checkpoints. Needs a 
     python bench/gpu_resume.py [--images 96] [--workers 4]
 
 Trains 2 epochs uninterrupted, then stops after a mid-epoch step (a checkpoint by
-`trainer.save_checkpoint`) and resumes in a fresh Trainer; prints whether the resumed run trained
+`trainer.save_checkpoint` at that batch's end, then the run killed) and resumes in a fresh Trainer; prints whether the resumed run trained
 exactly the uninterrupted run's samples after that step, on the device, and the batches the
 loader yielded after the restore (the rest of the epoch, nothing replayed).
 """
@@ -27,7 +27,7 @@ from shard_tools.sa1b import Sa1bSource  # noqa: E402
 from shard_tools.sample_data import write_sa1b  # noqa: E402
 
 
-def _module(record: list[list[str]], cuda: bool):
+def _module(record: dict[int, list[str]], cuda: bool):
     import lightning.pytorch as pl
 
     class Probe(pl.LightningModule):
@@ -35,12 +35,9 @@ def _module(record: list[list[str]], cuda: bool):
             super().__init__()
             self.weight = torch.nn.Parameter(torch.zeros(()))
 
-        def on_train_epoch_start(self) -> None:
-            record.append([])
-
         def training_step(self, batch, batch_idx):
             assert batch["images"].is_cuda == batch["masks"].is_cuda == cuda, "batches arrive on the GPU"
-            record[-1].extend(batch["keys"])
+            record.setdefault(self.current_epoch, []).extend(batch["keys"])
             return (self.weight - batch["images"].float().mean()) ** 2
 
         def configure_optimizers(self):
@@ -49,19 +46,30 @@ def _module(record: list[list[str]], cuda: bool):
     return Probe()
 
 
-def _fit(root: str, workers: int, cuda: bool, ckpt: str | None = None, max_steps: int = -1,
-         save: str | None = None) -> tuple[list[list[str]], int]:
+class _Killed(Exception):
+    pass
+
+
+def _fit(root: str, workers: int, cuda: bool, ckpt: str | None = None, stop: int | None = None,
+         save: str | None = None) -> tuple[dict[int, list[str]], int]:
     import lightning.pytorch as pl
 
-    record: list[list[str]] = []
+    class SaveAndDie(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == stop:
+                trainer.save_checkpoint(save)
+                raise _Killed
+
+    record: dict[int, list[str]] = {}
     loader = make_stream_loader(root, "train", batch_size=8, num_workers=workers, seed=1,
                                 device="cuda" if cuda else None, image_size=256, mask_size=64, max_masks=16)
-    trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_epochs=2, max_steps=max_steps,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(_module(record, cuda), loader, ckpt_path=ckpt)
-    if save:
-        trainer.save_checkpoint(save)
+    trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_epochs=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[SaveAndDie()] if stop else [])
+    try:
+        trainer.fit(_module(record, cuda), loader, ckpt_path=ckpt)
+    except _Killed:
+        pass
     return record, loader.remaining
 
 
@@ -84,11 +92,11 @@ def main() -> int:
         per_epoch = len(whole[0]) // 8
         stop = per_epoch // 2 + 1
         ckpt = str(pathlib.Path(tmp) / "mid.ckpt")
-        first, _ = _fit(str(out), args.workers, cuda, max_steps=stop, save=ckpt)
+        first, _ = _fit(str(out), args.workers, cuda, stop=stop, save=ckpt)
         resumed, _ = _fit(str(out), args.workers, cuda, ckpt=ckpt)
-        flat = [k for epoch in whole for k in epoch]
-        got = [k for epoch in first + resumed for k in epoch]
-        after = sum(map(len, resumed))
+        flat = [k for epoch in sorted(whole) for k in whole[epoch]]
+        got = [k for run in (first, resumed) for epoch in sorted(run) for k in run[epoch]]
+        after = sum(map(len, resumed.values()))
         device = torch.cuda.get_device_name() if cuda else "CPU"
         print(f"{device}: {per_epoch} batches an epoch, stopped after step {stop}; "
               f"resumed run trained {after} samples (expected {len(flat) - 8 * stop}); "

@@ -85,7 +85,13 @@ class StreamLoader:
         After `load_state_dict`, setting the saved epoch keeps the resumption point; any other epoch
         starts from its beginning (and an iterator that has begun is no longer valid; one not begun
         plays it: Lightning makes its iterator, then sets the epoch)."""
-        if self._stream.state.set_epoch(epoch):
+        stream = self._stream
+        was, history, rest = stream.epoch, stream.state.history, stream.batches() if stream.state.history else 0
+        if stream.state.set_epoch(epoch):
+            if rest:  # (Lightning does this with a checkpoint saved after fit(max_steps=...) returned)
+                log.warning("set_epoch(%d) leaves epoch %d with %d of its %d batches not played (the loaded state "
+                            "had taken %d): they are dropped", epoch, was, rest, sum(h.batches for h in history) + rest,
+                            sum(h.batches for h in history))
             self._moved()
 
     def _moved(self) -> None:

@@ -208,3 +208,15 @@ def test_an_iterator_not_begun_plays_the_position_it_finds(sa1b_dataset):
     batches = iter(loader)
     loader.load_state_dict(partial.state_dict())
     _assert_same(list(batches), expected[2:])
+
+
+def test_leaving_a_resumed_epoch_unfinished_is_said(sa1b_dataset, caplog):
+    partial = _loader(sa1b_dataset)
+    _run(partial, 1, stop=2)
+    loader = _loader(sa1b_dataset)
+    loader.load_state_dict(partial.state_dict())
+    loader.set_epoch(1)  # the saved epoch: nothing said
+    assert "not played" not in caplog.text
+    loader.set_epoch(2)
+    rest = len(_run(_loader(sa1b_dataset), 1)) - 2
+    assert f"set_epoch(2) leaves epoch 1 with {rest} of its {rest + 2} batches not played" in caplog.text
