@@ -86,12 +86,14 @@ class StreamLoader:
         starts from its beginning (and an iterator that has begun is no longer valid; one not begun
         plays it: Lightning makes its iterator, then sets the epoch)."""
         stream = self._stream
-        was, history, rest = stream.epoch, stream.state.history, stream.batches() if stream.state.history else 0
+        was, loaded = stream.epoch, stream.state.history
+        taken = self._taken or loaded  # (as of the last batch handed over: a trainer may stop asking at len())
+        rest = stream.batches(taken) if loaded else 0
         if stream.state.set_epoch(epoch):
             if rest:  # (Lightning does this with a checkpoint saved after fit(max_steps=...) returned)
-                log.warning("set_epoch(%d) leaves epoch %d with %d of its %d batches not played (the loaded state "
-                            "had taken %d): they are dropped", epoch, was, rest, sum(h.batches for h in history) + rest,
-                            sum(h.batches for h in history))
+                done = sum(h.batches for h in taken)
+                log.warning("set_epoch(%d) leaves epoch %d with %d of its %d batches not played, after a resumption: "
+                            "they are dropped", epoch, was, rest, done + rest)
             self._moved()
 
     def _moved(self) -> None:

@@ -98,10 +98,12 @@ class ShardStream(IterableDataset):
         c = self.config
         return rank_sample_count(self.total, self.world_size, self.rank, c.batch_size, c.drop_last, history)
 
-    def batches(self) -> int:
-        """How many batches this rank yields in the next iteration (all of the epoch, or the rest)."""
+    def batches(self, history: tuple[Resume, ...] | None = None) -> int:
+        """How many batches this rank yields after `history` (by default the shared one: in the next
+        iteration, all of the epoch or the rest)."""
         c = self.config
-        return rank_batch_count(self.total, self.world_size, self.rank, c.batch_size, c.drop_last, self.state.history)
+        history = self.state.history if history is None else history
+        return rank_batch_count(self.total, self.world_size, self.rank, c.batch_size, c.drop_last, history)
 
     def epoch_batches(self) -> int:
         """The epoch's batches on this rank: those its history took (in any world) and the rest."""
