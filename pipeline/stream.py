@@ -178,16 +178,22 @@ class ShardStream(IterableDataset):
 
     def _start(self) -> Position:
         """Where this iteration starts: at the shared epoch and history (set by the main process), or
-        at a position loaded in this process, unless the main process chose another epoch since."""
+        at a position loaded in this process, unless the main process chose another epoch since:
+        refused while the loaded epoch has batches left for this worker (a state at an epoch's end,
+        which torchdata and accelerate save after its last batch, is no conflict)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return self._fresh()
         state = self.state
         if (state.chosen[0] and state.epoch != pending.epoch) or (state.history and state.history != pending.history):
+            mine = -(-(self.batches(pending.history) - pending.worker) // pending.num_workers)  # (this worker's share)
+            if pending.batches >= mine:  # (its iteration yields nothing: StatefulDataLoader drops it, then begins
+                return pending           # a new one, of the chosen epoch; playing that here would decode it twice)
             raise ConfigError(f"cannot resume: the loaded state is of epoch {pending.epoch} after "
-                              f"{[[h.world_size, h.batches] for h in pending.history]}, and this dataset was set to "
-                              f"epoch {state.epoch} after {[[h.world_size, h.batches] for h in state.history]} since; "
-                              f"call set_epoch({pending.epoch}), or none, before iterating")
+                              f"{[[h.world_size, h.batches] for h in pending.history]}, with {mine - pending.batches} "
+                              f"batches of this worker left, and this dataset was set to epoch {state.epoch} after "
+                              f"{[[h.world_size, h.batches] for h in state.history]} since; call "
+                              f"set_epoch({pending.epoch}), or none, before iterating")
         return pending
 
     def __iter__(self) -> Iterator[Any]:
