@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from pipeline import make_stream_dataset, trainer_dataset
+from pipeline import make_stream_dataset, make_stream_loader, trainer_dataset
 from pipeline.errors import ConfigError
 from pipeline.kinds.embeddings import Embeddings
 from pipeline.kinds.sa1b import Sa1b
@@ -574,7 +574,20 @@ def two_processes(sa1b_dataset, tmp_path_factory) -> dict[str, list[dict[str, An
     done = subprocess.run(command, check=False, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return {mode: [json.loads((out / f"{mode}-{rank}.json").read_text()) for rank in (0, 1)]
-            for mode in ("dispatch", "shards")}
+            for mode in ("dispatch", "shards", "loader")}
+
+
+@pytest.mark.slow
+def test_accelerate_on_two_processes_with_the_loader_registered_resumes_exactly(two_processes, sa1b_dataset):
+    """The exact way on several processes: `make_stream_loader` (it splits the ranks itself), not prepared,
+    `register_for_checkpointing`: process 0's state, loaded on every process, as the loader's own contract."""
+    runs = two_processes["loader"]
+    for run in runs:
+        assert run["first"] + run["rest"] == run["full"][0] and run["next"] == run["full"][1]
+        assert sorted(run["decoded"]) == sorted(_numbers(sa1b_dataset)[k] for step in run["rest"] for k in step)
+    assert run["full"][0] != run["full"][1]
+    taken = [k for run in runs for epoch in run["full"][:1] for step in epoch for k in step]
+    assert len(taken) == len(set(taken)), "each sample on one process only"
 
 
 @pytest.mark.slow
@@ -626,6 +639,46 @@ def _rank(root: str, out: str) -> None:
         result = {"full": full, "rest": rest, "decoded": decoded, "next": _train(*resumed)}
         (out_dir / f"{mode}-{rank}.json").write_text(json.dumps(result))
         resumed[0].wait_for_everyone()
+    run = _loader_run(root)
+    full = [_loader_epoch(*run)]
+    run[2].set_epoch(1)
+    full.append(_loader_epoch(*run))
+    checkpoint = str(out_dir / "checkpoint-loader")
+    first = _loader_epoch(*_loader_run(root), stop=STOP, checkpoint=checkpoint)
+    run = _loader_run(root, load=checkpoint)
+    log.write_text("")
+    rest = _loader_epoch(*run)
+    decoded = [_numbers(root)[key] for key in _read_decoded(log)]
+    run[2].set_epoch(1)
+    result = {"full": full, "first": first, "rest": rest, "decoded": decoded, "next": _loader_epoch(*run)}
+    (out_dir / f"loader-{rank}.json").write_text(json.dumps(result))
+
+
+def _loader_run(root: str, load: str | None = None) -> tuple[Any, Any, Any]:
+    """(accelerator, model, loader): `make_stream_loader` registered for checkpointing, not prepared (it
+    splits the ranks itself), its state loaded from `load`."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_Scalar())
+    loader = make_stream_loader(root, "train", batch_size=B, num_workers=2, seed=SEED, **SA1B)
+    accelerator.register_for_checkpointing(loader)
+    if load:
+        accelerator.load_state(load)
+    return accelerator, model, loader
+
+
+def _loader_epoch(accelerator: Any, model: Any, loader: Any, stop: int | None = None,
+                  checkpoint: str | None = None) -> list[list[str]]:
+    seen = []
+    for batch in loader:
+        seen.append(list(batch["keys"]))
+        accelerator.backward(model())
+        if len(seen) == stop:
+            break
+    if stop is not None:
+        accelerator.save_state(checkpoint)
+    return seen
 
 
 def _main(argv: list[str]) -> int:
