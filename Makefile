@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-peers bench-s3 bench-vqa bench-embeddings bench-index fuzz clean
+.PHONY: demo test bench bench-peers bench-s3 bench-vqa bench-embeddings bench-index bench-resume fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ bench-embeddings: $(STAMP)
 # Opening a dataset and one worker's plan at 1M, 11M, 100M (and the plan at 1B) synthetic samples (~2 minutes).
 bench-index: $(STAMP)
 	$(BIN)/python bench/index_scale.py
+
+# Seconds from resuming to the first batch at 10% and 90% of a 102,400-sample epoch (HF Trainer, Lightning), beside a fresh start (~2 minutes).
+bench-resume: $(STAMP)
+	$(BIN)/python bench/resume.py
 
 # The fuzz tests with 20,000 mutated shards each, instead of the suite's 100 (several minutes).
 fuzz: $(STAMP)

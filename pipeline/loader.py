@@ -131,6 +131,17 @@ class StreamLoader:
         self._generation += 1
         return self._iterate(self._generation)
 
+    def close(self) -> None:
+        """End the DataLoader's workers now. Persistent workers otherwise live as long as the loader,
+        and a trainer that only drops it (Lightning at the end of `fit`) leaves them to the garbage
+        collector, whose cycles make torch wait 5 s per worker to end them. Iterating again starts
+        new workers; an iterator still open is no longer valid."""
+        self._generation += 1
+        iterator = getattr(self._loader, "_iterator", None)  # (a DataLoader's persistent workers: torch has no
+        if iterator is not None:                            # public way to end them, Lightning does this too)
+            iterator._shutdown_workers()
+            self._loader._iterator = None
+
     def _check_current(self, generation: int) -> None:
         if generation != self._generation:
             raise RuntimeError("this iterator of the loader is no longer valid: load_state_dict(), set_epoch() or a "

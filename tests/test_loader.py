@@ -366,3 +366,23 @@ def test_an_iterator_left_open_at_exit_says_nothing(sa1b_dataset):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_close_ends_the_workers_and_the_loader_goes_on(sa1b_dataset):
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, image_size=32, mask_size=8,
+                                max_masks=2)
+    first = [b["keys"] for b in loader]
+    workers = set(multiprocessing.active_children()) - before
+    assert len(workers) == 2, "persistent workers"
+    batches = iter(loader)
+    next(batches)
+    loader.close()
+    assert not workers & set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        next(batches)
+    assert [b["keys"] for b in loader] == first
+    loader.close()
+    loader.close()
