@@ -405,7 +405,7 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     workers = config.num_workers
     stream, manifests = _stream(source, split, config, options, max_workers=workers)
     if workers:
-        stream.leases = Leases(workers)
+        stream.decoder.leases = Leases(workers)
         _check_picklable(stream.kind, config.multiprocessing_context or multiprocessing.get_start_method())
     loader = DataLoader(
         stream,
