@@ -49,8 +49,11 @@ class Place:
                 "world_size": world.world_size, "num_workers": p.num_workers, "worker": p.worker,
                 "batches": p.batches, "rows": p.rows}
 
-    def load(self, state: dict[str, Any], identity: dict[str, Any], here: World) -> None:
-        """Refuse a state of another dataset, order, kind options, world or worker; else keep it for the next iteration."""
+    def load(self, state: dict[str, Any], identity: dict[str, Any], here: World, in_step: bool) -> None:
+        """Refuse a state of another dataset, order, kind options, world or worker; else keep it for the
+        next iteration. A state of another rank of the same world is this rank's too when `in_step`:
+        the ranks' workers hand over the same batches and rows in step (a trainer saves rank 0's and
+        loads it on every rank, as Lightning does); with skips they may not."""
         epoch, history = resume_point(state, identity)
         try:
             world, rank, workers, worker = (int(state[k]) for k in ("world_size", "rank", "num_workers", "worker"))
@@ -58,10 +61,11 @@ class Place:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cannot resume: malformed state ({exc!r}): a state_dict() of the dataset (of "
                               "make_stream_dataset or trainer_dataset) is wanted") from exc
-        if (rank, world) != (here.rank, here.world_size):
+        if world != here.world_size or (rank != here.rank and not in_step):
             raise ConfigError(f"cannot resume: the state is of rank {rank} of world_size {world}, this dataset is rank "
                               f"{here.rank} of world_size {here.world_size}; a DataLoader's state resumes in the same "
-                              "world only (make_stream_loader's state_dict resumes in another)")
+                              "world only (make_stream_loader's state_dict resumes in another)"
+                              + ("" if world != here.world_size else ", and with on_error='skip' on its own rank only"))
         if (workers, worker) != (here.num_workers, here.worker):
             raise ConfigError(f"cannot resume: the state is of DataLoader worker {worker} of {workers}, this is worker "
                               f"{here.worker} of {here.num_workers}: resume with num_workers={workers if workers > 1 else 0}")

@@ -114,9 +114,10 @@ class ShardStream(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start this process's next iteration where a `state_dict()` of the same worker of the same
-        world left off: no sample yielded twice, none decoded again. A state of another dataset, split,
-        order or kind options, another world or another number of DataLoader workers is refused."""
-        self.place.load(state, self.identity, self._world())
+        world left off (of any rank: they move in step): no sample yielded twice, none decoded again. A
+        state of another dataset, split, order or kind options, another world size or another number of
+        DataLoader workers is refused."""
+        self.place.load(state, self.identity, self._world(), in_step=self.config.on_error == "raise")
 
     def start_at(self, items: int) -> None:
         """Start this process's next iteration of the chosen epoch after the first `items` items it

@@ -361,12 +361,27 @@ def test_a_state_of_another_loader_is_refused_at_the_first_batch(change, message
         _resume(sa1b_dataset, state, **change)
 
 
-def test_a_state_of_another_rank_or_world_is_refused(sa1b_dataset):
+def test_a_state_of_another_rank_resumes_in_step_and_another_world_is_refused(sa1b_dataset):
+    """Lightning saves rank 0's state and loads it on every rank: the ranks' workers move in step."""
+    keys = lambda b: [s["keys"] for s in b]  # noqa: E731
     state = _saved(sa1b_dataset, shard_ranks=True, rank=0, world_size=2)
-    for rank, world_size in ((1, 2), (0, 1)):
-        with pytest.raises(ConfigError, match=f"the state is of rank 0 of world_size 2, this dataset is rank {rank} of "
-                                              f"world_size {world_size}"):
-            _resume(sa1b_dataset, state, shard_ranks=True, rank=rank, world_size=world_size)
+
+    def rank_one(state: dict[str, Any] | None, **options: Any) -> list[list[str]]:
+        dataset = trainer_dataset(sa1b_dataset, "train", **{"batch_size": B, "seed": SEED, **SA1B, "shard_ranks": True,
+                                                            "rank": 1, "world_size": 2, **options})
+        dataset.set_epoch(1)
+        loader = StatefulDataLoader(dataset, batch_size=B, num_workers=2, collate_fn=list)
+        if state is not None:
+            loader.load_state_dict(state)
+        return _released(lambda: _take(loader, keys))
+
+    assert rank_one(state) == rank_one(None)[1:]
+    with pytest.raises(ConfigError, match="the state is of rank 0 of world_size 2, this dataset is rank 1 of world_size "
+                                          "2; .* and with on_error='skip' on its own rank only"):
+        rank_one(state, on_error="skip")
+    with pytest.raises(ConfigError, match="the state is of rank 0 of world_size 2, this dataset is rank 0 of "
+                                          "world_size 1"):
+        _resume(sa1b_dataset, state, shard_ranks=True, rank=0, world_size=1)
 
 
 def test_between_workers_and_none_torchdata_refuses_the_state_itself(sa1b_dataset):
