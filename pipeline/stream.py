@@ -86,19 +86,22 @@ class ShardStream(IterableDataset):
         return rank_batch_count(self.total, self.world_size, self.rank, c.batch_size, c.drop_last, history)
 
     def epoch_batches(self) -> int:
-        """The epoch's batches on this rank: those its history took (in any world) and the rest."""
-        return sum(h.batches for h in self.state.history) + self.batches()
+        """The epoch's batches on this rank as a trainer counts them: those its history took (in any
+        world) and the rest, or, when more, a whole epoch in this world. A trainer that reads `len()`
+        once (Lightning, per `fit`) then never stops an epoch short: not the resumed one, not the
+        next ones after a resumption in another world size."""
+        return max(self.batches(()), sum(h.batches for h in self.state.history) + self.batches())
 
     def __len__(self) -> int:
         """Items of the epoch on this rank, as a DataLoader's `len()` counts them (whatever part of it
-        was taken before a resumption, which trainers count themselves): batches, or samples with
-        `flatten` (fewer if some are skipped)."""
+        was taken before a resumption, which trainers count themselves; see `epoch_batches`):
+        batches, or samples with `flatten` (fewer if some are skipped)."""
         if not self.flatten:
             return self.epoch_batches()
-        history = self.state.history
+        history, whole = self.state.history, self.rank_samples(())
         if len(history) == 1 and history[0].world_size == self.world_size:  # (the same world's epoch, whole)
-            return self.rank_samples(())
-        return sum(h.batches for h in history) * self.config.batch_size + self.rank_samples(history)
+            return whole
+        return max(whole, sum(h.batches for h in history) * self.config.batch_size + self.rank_samples(history))
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration plays, from the main process (HF Trainer and accelerate

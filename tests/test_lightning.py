@@ -332,7 +332,7 @@ def _epochs(run: dict[str, list[str]]) -> dict[int, list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("way", [STREAM, STATEFUL])
-def test_ddp_mid_epoch_resume_trains_every_sample_once(way, sa1b_dataset, tmp_path):
+def test_ddp_mid_epoch_resume_trains_every_sample_once(way, sa1b_dataset, tmp_path, decodes):
     _torchrun(2, "first", way, sa1b_dataset, str(tmp_path))
     _torchrun(2, "resume", way, sa1b_dataset, str(tmp_path))
     ranks = [json.loads((tmp_path / f"{way}-{rank}.json").read_text()) for rank in range(2)]
@@ -353,6 +353,16 @@ def test_ddp_mid_epoch_resume_trains_every_sample_once(way, sa1b_dataset, tmp_pa
             trained = [k for run in ranks for k in _split(_epochs(run["first"]), step * BATCH)[0].get(epoch, [])]
             trained += [k for run in ranks for k in _epochs(run["resumed"][str(step)]["seen"]).get(epoch, [])]
             assert sorted(trained) == sorted(k for f in full for k in f[epoch]) and len(set(trained)) == len(trained)
+    if way == STREAM:  # the 2-process checkpoint of step 1, resumed on 1 process: the samples no rank had taken
+        (ckpt,) = (tmp_path / "ckpt").glob("epoch=*-step=1.ckpt")
+        _, alone, decoded = _resume(way, sa1b_dataset, tmp_path / "alone", ckpt, decodes)
+        taken = [k for run in ranks for k in _epochs(run["first"])[0][:BATCH]]
+        rest = len(split) - len(split) % (2 * BATCH) - len(taken)  # (those of the 2-rank epoch, less the
+        rest -= rest % BATCH                                       # 1-process epoch's own remainder)
+        assert len(alone.seen[0]) == rest and not set(alone.seen[0]) & set(taken)
+        assert len(set(alone.seen[0])) == rest and set(alone.seen[0]) <= set(split)
+        assert alone.seen[1] == _plan(sa1b_dataset, 1), "then whole epochs in the new world"
+        assert sorted(decoded) == sorted(_flat(alone.seen))
 
 
 def _ddp_steps(way: str) -> tuple[int, ...]:
