@@ -99,7 +99,7 @@ def check_identity(state: Any, identity: dict[str, Any]) -> None:
         if state.get(name) != value:
             if name == "options" and isinstance(value, dict) and isinstance(state.get(name), dict):
                 differ = sorted(k for k in value.keys() | state[name].keys() if value.get(k) != state[name].get(k))
-                detail = ", ".join(f"{k}: {state[name].get(k)!r} there, {value.get(k)!r} here" for k in differ)
+                detail = "; ".join(f"{k}: {state[name].get(k)!r} there, {value.get(k)!r} here" for k in differ)
                 raise ConfigError(f"cannot resume: the state was saved with other options of the kind ({detail})")
             raise ConfigError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
 

@@ -118,6 +118,11 @@ def test_mismatched_state_is_refused(sa1b_dataset, sa1b_src, tmp_path):
         _loader(sa1b_dataset, batch_size=3).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         _loader(sa1b_dataset, seed=6).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"other options of the kind \(image_size: 48 there, 64 here; max_masks: 3 "
+                                         r"there, 4 here\)"):
+        _loader(sa1b_dataset, image_size=64, max_masks=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="the state's version is 3, this loader's is 4"):
+        _loader(sa1b_dataset).load_state_dict({**state, "version": 3})
     with pytest.raises(ValueError, match="split"):
         make_stream_loader(sa1b_dataset, "val", batch_size=2, num_workers=0, seed=5, **SMALL).load_state_dict(state)
     pack(Sa1bSource(), [str(sa1b_src)], str(tmp_path), PackOptions(shard_samples=5), progress=False)
