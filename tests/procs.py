@@ -42,3 +42,36 @@ def run_bounded(args: list[str], seconds: float, hung: str, stderr: int = subpro
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
         raise AssertionError(hung) from None
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, processes: int, *args: str, timeout: float = 300) -> None:
+    """`script args` in `processes` torchrun processes on 127.0.0.1 (gloo), the repository importable;
+    an AssertionError with the end of their output if any fails."""
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "MASTER_ADDR": "127.0.0.1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(processes),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args]
+    done = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def end_process_group() -> None:
+    """The end of a torchrun process's script: without it, gloo's threads may still hold work when the
+    interpreter is torn down, and the process aborts at exit ("terminate called without an active
+    exception", pytorch#190489)."""
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

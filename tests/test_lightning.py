@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 from typing import Any
 
@@ -30,8 +28,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from pipeline import make_stream_loader, trainer_dataset
 from pipeline.kinds.sa1b import Sa1b
 from conftest import split_keys
+from procs import end_process_group, torchrun
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = 5
 BATCH = 2
 SMALL = {"image_size": 32, "mask_size": 16, "max_masks": 2}
@@ -310,22 +308,6 @@ def test_save_checkpoint_after_fit_returns_resumes_at_the_next_epoch(way, sa1b_d
 DDP_STEPS = (1, 2, 3)  # checkpoints resumed (2 batches per rank and epoch): in epoch 0, at its last batch, in epoch 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(processes: int, *args: str) -> None:
-    """This file's `_main(args)` in `processes` torchrun processes on 127.0.0.1."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(processes),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, *args]
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-
-
 def _epochs(run: dict[str, list[str]]) -> dict[int, list[str]]:
     return {int(epoch): keys for epoch, keys in run.items()}
 
@@ -333,8 +315,8 @@ def _epochs(run: dict[str, list[str]]) -> dict[int, list[str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("way", [STREAM, STATEFUL])
 def test_ddp_mid_epoch_resume_trains_every_sample_once(way, sa1b_dataset, tmp_path, decodes):
-    _torchrun(2, "first", way, sa1b_dataset, str(tmp_path))
-    _torchrun(2, "resume", way, sa1b_dataset, str(tmp_path))
+    torchrun(__file__, 2, "first", way, sa1b_dataset, str(tmp_path))
+    torchrun(__file__, 2, "resume", way, sa1b_dataset, str(tmp_path))
     ranks = [json.loads((tmp_path / f"{way}-{rank}.json").read_text()) for rank in range(2)]
     full = [_epochs(r["full"]) for r in ranks]
     split = split_keys(sa1b_dataset)
@@ -400,10 +382,7 @@ def _rank(phase: str, way: str, root: str, out: str) -> None:
 
 def _main(argv: list[str]) -> int:
     _rank(*argv)
-    # Without this, gloo's threads may still hold work when the interpreter is torn down, and the
-    # process aborts at exit ("terminate called without an active exception", pytorch#190489).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group()
     return 0
 
 

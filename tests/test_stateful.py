@@ -19,8 +19,6 @@ import collections
 import json
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -37,8 +35,8 @@ from pipeline.kinds.embeddings import Embeddings
 from pipeline.kinds.sa1b import Sa1b
 from pipeline.kinds.vqa import Vqa
 from conftest import split_keys
+from procs import end_process_group, torchrun
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = 3
 B = 2  # the DataLoader's batch, and trainer_dataset's per-process batch
 SA1B = {"image_size": 32, "mask_size": 16, "max_masks": 4}
@@ -572,22 +570,11 @@ def test_accelerate_a_checkpoint_after_an_epochs_last_step_resumes_with_the_next
 STOP = 1  # the step after which the two-process runs save their state
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_processes(sa1b_dataset, tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
     """`_rank` on 2 torchrun processes, accelerate with and without dispatching: each rank's results."""
     out = tmp_path_factory.mktemp("stateful-two")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, sa1b_dataset, str(out)]
-    done = subprocess.run(command, check=False, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    torchrun(__file__, 2, sa1b_dataset, str(out))
     return {mode: [json.loads((out / f"{mode}-{rank}.json").read_text()) for rank in (0, 1)]
             for mode in ("dispatch", "shards", "loader")}
 
@@ -698,10 +685,7 @@ def _loader_epoch(accelerator: Any, model: Any, loader: Any, stop: int | None = 
 
 def _main(argv: list[str]) -> int:
     _rank(*argv)
-    # Without this, gloo's threads may still hold work when the interpreter is torn down, and the
-    # process aborts at exit ("terminate called without an active exception", pytorch#190489).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group()
     return 0
 
 

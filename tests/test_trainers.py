@@ -12,8 +12,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
-import subprocess
 import sys
 from typing import Any
 
@@ -24,6 +22,7 @@ from PIL import Image
 
 from pipeline import make_stream_dataset, make_stream_loader, trainer_dataset, trl_dataset
 from conftest import indexed
+from procs import end_process_group, torchrun
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = 3
@@ -105,22 +104,6 @@ def _example() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(processes: int, *args: str) -> None:
-    """This file's `_main(args)` in `processes` torchrun processes on 127.0.0.1."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(processes),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, *args]
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
 # -- trl_dataset and make_stream_dataset, as datasets and DataLoaders see them ---------------------
@@ -334,7 +317,7 @@ def test_grpo_trains_every_question_once_per_epoch_in_groups(vqa, vlm, tmp_path)
 
 @pytest.mark.slow
 def test_grpo_on_two_processes_splits_each_round(vqa, vlm, tmp_path):
-    _torchrun(2, "grpo", vlm, vqa, str(tmp_path))
+    torchrun(__file__, 2, "grpo", vlm, vqa, str(tmp_path))
     calls = [json.loads((tmp_path / f"rewards-{rank}.json").read_text()) for rank in range(2)]
     assert len(calls[0]) == len(calls[1])
     _check_grpo(vqa, [list(step) for step in zip(*calls)], prompts=4)
@@ -492,7 +475,7 @@ def test_hf_trainer_one_process(vqa, tmp_path, workers):
 
 @pytest.mark.slow
 def test_hf_trainer_two_processes(vqa, tmp_path):
-    _torchrun(2, "hf", vqa, str(tmp_path))
+    torchrun(__file__, 2, "hf", vqa, str(tmp_path))
     results = {rank: json.loads((tmp_path / f"hf-{rank}.json").read_text()) for rank in range(2)}
     for name in results[0]:
         _check_hf(vqa, [results[rank][name] for rank in range(2)])
@@ -577,7 +560,7 @@ def test_hf_trainer_resumes_mid_epoch_exactly_without_replay(vqa, tmp_path, work
 def test_hf_trainer_resumes_on_two_processes_and_on_one(vqa, tmp_path):
     """2 processes (global batches of 2 x 2, accelerate dispatching them), stopped mid-epoch and resumed
     on 2; the same checkpoint resumed on 1 process with the same global batch (1 x 4)."""
-    _torchrun(2, "hf-resume", vqa, str(tmp_path))
+    torchrun(__file__, 2, "hf-resume", vqa, str(tmp_path))
     ranks = [json.loads((tmp_path / f"hf-resume-{rank}.json").read_text()) for rank in range(2)]
 
     def steps(run: dict[str, Any], rank: int) -> list[list[int]]:  # each global batch's part on this rank
@@ -634,10 +617,7 @@ def _main(argv: list[str]) -> int:
         _hf_resume_rank(*argv[1:])
     else:
         _hf_rank(*argv[1:])
-    # Without this, gloo's threads may still hold work when the interpreter is torn down, and the
-    # process aborts at exit ("terminate called without an active exception", pytorch#190489).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group()
     return 0
 
 
