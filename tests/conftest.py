@@ -99,3 +99,33 @@ def new_bucket(server: SeaweedFS) -> str:
     name = f"t{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True).mkdir(name)
     return name
+
+
+@pytest.fixture(scope="session")
+def vqa(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A SLAKE-layout split "train": 8 images, 1 to 5 questions each, 3 images per shard."""
+    from shard_tools.sample_vqa import write_vqa
+    from shard_tools.vqa import VqaSource, pack_vqa
+
+    root = tmp_path_factory.mktemp("vqa-small")
+    files = write_vqa(root / "src", "slake", {"train": 8}, per_image=(1, 5), seed=0)
+    source = VqaSource(str(root / "src" / "images"), tuple((name, str(file)) for name, file in files.items()))
+    pack_vqa(source, str(root / "out"), PackOptions(shard_samples=3), progress=False)
+    return str(root / "out")
+
+
+@pytest.fixture(scope="session")
+def emb(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An embeddings split "train" of 23 rows in blocks of 4."""
+    import json
+
+    import numpy as np
+
+    from shard_tools.embeddings import pack_embeddings
+
+    src = tmp_path_factory.mktemp("emb-small-src")
+    np.save(src / "x.npy", np.arange(23 * 3, dtype=np.float32).reshape(23, 3))
+    (src / "schema.json").write_text(json.dumps({"fields": {"x": {"file": "x.npy"}}}))
+    out = tmp_path_factory.mktemp("emb-small")
+    pack_embeddings(str(src), str(out), rows_per_block=4, progress=False)
+    return str(out)

@@ -23,7 +23,6 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -44,34 +43,7 @@ SA1B = {"image_size": 32, "mask_size": 16, "max_masks": 4}
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
 
-# -- datasets, built offline with the project's packers -------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def vqa_root(tmp_path_factory) -> str:
-    """A SLAKE-layout split "train": 8 images, 1 to 5 questions each, 3 images per shard."""
-    from shard_tools.pack import PackOptions
-    from shard_tools.sample_vqa import write_vqa
-    from shard_tools.vqa import VqaSource, pack_vqa
-
-    root = tmp_path_factory.mktemp("stateful-vqa")
-    files = write_vqa(root / "src", "slake", {"train": 8}, per_image=(1, 5), seed=0)
-    source = VqaSource(str(root / "src" / "images"), tuple((name, str(file)) for name, file in files.items()))
-    pack_vqa(source, str(root / "out"), PackOptions(shard_samples=3), progress=False)
-    return str(root / "out")
-
-
-@pytest.fixture(scope="session")
-def emb_root(tmp_path_factory) -> str:
-    """An embeddings split "train" of 23 rows in blocks of 4."""
-    from shard_tools.embeddings import pack_embeddings
-
-    src = tmp_path_factory.mktemp("stateful-emb-src")
-    np.save(src / "x.npy", np.arange(23 * 3, dtype=np.float32).reshape(23, 3))
-    (src / "schema.json").write_text(json.dumps({"fields": {"x": {"file": "x.npy"}}}))
-    out = tmp_path_factory.mktemp("stateful-emb")
-    pack_embeddings(str(src), str(out), rows_per_block=4, progress=False)
-    return str(out)
+# -- datasets: conftest's sa1b_dataset, vqa and emb ------------------------------------------------
 
 
 class Case(NamedTuple):
@@ -87,12 +59,12 @@ KINDS = ["vqa", "sa1b", "embeddings"]
 
 
 @pytest.fixture(scope="session")
-def cases(vqa_root, sa1b_dataset, emb_root) -> dict[str, Case]:
+def cases(vqa, sa1b_dataset, emb) -> dict[str, Case]:
     return {
-        "vqa": Case(vqa_root, {"per": "question", "image_size": 16}, lambda s: (s["keys"], int(s["question_index"])),
+        "vqa": Case(vqa, {"per": "question", "image_size": 16}, lambda s: (s["keys"], int(s["question_index"])),
                     lambda b: list(zip(b["keys"], b["question_index"].tolist()))),
         "sa1b": Case(sa1b_dataset, SA1B, lambda s: s["keys"], lambda b: list(b["keys"])),
-        "embeddings": Case(emb_root, {}, lambda s: int(s["row"]), lambda b: b["row"].tolist()),
+        "embeddings": Case(emb, {}, lambda s: int(s["row"]), lambda b: b["row"].tolist()),
     }
 
 

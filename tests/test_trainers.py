@@ -15,7 +15,6 @@ import shutil
 import sys
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -29,23 +28,6 @@ SEED = 3
 
 
 # -- data and model, built offline -----------------------------------------------------------------
-
-
-def _pack_vqa(root: pathlib.Path) -> str:
-    from shard_tools.pack import PackOptions
-    from shard_tools.sample_vqa import write_vqa
-    from shard_tools.vqa import VqaSource, pack_vqa
-
-    files = write_vqa(root / "src", "slake", {"train": 8}, per_image=(1, 5), seed=0)
-    source = VqaSource(str(root / "src" / "images"), tuple((name, str(file)) for name, file in files.items()))
-    pack_vqa(source, str(root / "out"), PackOptions(shard_samples=3), progress=False)
-    return str(root / "out")
-
-
-@pytest.fixture(scope="session")
-def vqa(tmp_path_factory) -> str:
-    """A SLAKE-layout split "train": 8 images, 1 to 5 questions each, 3 images per shard."""
-    return _pack_vqa(tmp_path_factory.mktemp("trainers-vqa"))
 
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -181,19 +163,6 @@ def _kinds(vqa: str, sa1b: str, emb: str) -> dict[str, tuple[str, dict[str, Any]
     return {"vqa": (vqa, {"per": "question", "image_size": 16}, lambda s: (s["keys"], int(s["question_index"]))),
             "sa1b": (sa1b, {"image_size": 32, "mask_size": 16, "max_masks": 4}, lambda s: s["keys"]),
             "embeddings": (emb, {}, lambda s: int(s["row"]))}
-
-
-@pytest.fixture(scope="session")
-def emb(tmp_path_factory) -> str:
-    """An embeddings split "train" of 23 rows in blocks of 4."""
-    from shard_tools.embeddings import pack_embeddings
-
-    src = tmp_path_factory.mktemp("trainers-emb-src")
-    np.save(src / "x.npy", np.arange(23 * 3, dtype=np.float32).reshape(23, 3))
-    (src / "schema.json").write_text(json.dumps({"fields": {"x": {"file": "x.npy"}}}))
-    out = tmp_path_factory.mktemp("trainers-emb")
-    pack_embeddings(str(src), str(out), rows_per_block=4, progress=False)
-    return str(out)
 
 
 @pytest.mark.parametrize("kind", ["vqa", "sa1b", "embeddings"])
