@@ -27,7 +27,7 @@ from pipeline.position import Place, Position, hand_over
 from pipeline.state import EpochState
 from pipeline.stats import Clock, WorkerTable
 
-__all__ = ["ShardStream", "WorkerError"]
+__all__ = ["ShardStream", "WorkerError", "begin", "release"]
 
 FIRST_OUT_WAIT = 10.0  # seconds a worker's read-ahead waits at most for the first batch to be handed over
 _CHUNK_ITEMS = 8192  # items whose reads are asked for at once from object storage, at most (see `_chunks`)
@@ -60,9 +60,9 @@ class ShardStream(IterableDataset):
         # the manifest's SHA-256, shared so that a shard is hashed by one worker only.
         verified = torch.zeros(sum(len(s.split) for s in sources), 3, dtype=torch.int64).share_memory_() \
             if config.verify == "sha256" else None
-        # Whether this iteration's first batch has reached the main process: a StreamLoader sets 0 before
-        # asking its workers and 1 once it has it; the workers' read-ahead waits for it (`_wait_first_out`).
-        self.first_out = torch.ones(1, dtype=torch.int64).share_memory_()
+        # The first-batch gate (`begin`, `release`): the iteration a StreamLoader last began, and the last
+        # whose first batch has reached the main process; a worker's read-ahead waits for its own.
+        self.gate = torch.zeros(2, dtype=torch.int64).share_memory_()
         self.finished, self.flatten, self.split_workers = finished, flatten, split_workers
         self.decoder = Decoder(sources, kind, config, self.skipped)  # (its `leases`: set by make_stream_loader)
         self.readers = ProcessReaders(sources, config, verified)
@@ -144,9 +144,9 @@ class ShardStream(IterableDataset):
         if world.num_workers > self.skipped.shape[1]:
             raise ConfigError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
                               f"({self.skipped.shape[1]}); pass max_workers")
-        return self._yield(world, self.place.start(self._fresh(), self.state, self.batches))
+        return self._yield(world, self.place.start(self._fresh(), self.state, self.batches), int(self.gate[0]))
 
-    def _yield(self, world: World, position: Position) -> Iterator[Any]:
+    def _yield(self, world: World, position: Position, ticket: int) -> Iterator[Any]:
         """The iteration's batches or samples from `position` on, which it keeps up to date."""
         info = get_worker_info() if self.split_workers else None
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
@@ -154,7 +154,7 @@ class ShardStream(IterableDataset):
         # Resuming inside a batch: its first rows are not decoded again, unless skips may have left out
         # some of them (then they are decoded and dropped: rows and samples no longer correspond).
         exact = self.config.on_error == "raise"
-        made = self._batches(world, position.epoch, position.history, clock, position.batches,
+        made = self._batches(world, position.epoch, position.history, clock, ticket, position.batches,
                              position.rows if exact else 0)
         batches = self.times.timed(world.worker, clock, made)  # (each batch's making: its "active" time)
         try:
@@ -182,10 +182,11 @@ class ShardStream(IterableDataset):
                 return
             yield self.kind.finish(batch) if self.finished else batch
 
-    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...], clock: Clock, start: int = 0,
-                 rows: int = 0) -> Iterator[tuple[Any, int]]:
+    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...], clock: Clock, ticket: int,
+                 start: int = 0, rows: int = 0) -> Iterator[tuple[Any, int]]:
         """plan -> read (`read_ahead` batches ahead of decoding) -> open/decode -> collate: (batch, its
-        samples), from the plan's batch `start` on, less the first `rows` samples of that one."""
+        samples), from the plan's batch `start` on, less the first `rows` samples of that one; the
+        read-ahead after the first batch held until iteration `ticket`'s first batch is out."""
         cfg = self.config
         budget = cfg.max_errors  # skips allowed in this iteration of the rank
         if isinstance(budget, float):
@@ -205,7 +206,7 @@ class ShardStream(IterableDataset):
             for i in range(start, len(plan)):
                 batch, _, items = plan[i]
                 if i == start + 1:
-                    _wait_first_out(self.first_out)
+                    _wait_first_out(self.gate, ticket)
                     reads.start_downloads()
                 ahead = cfg.read_ahead if i > start or not chunks else 0
                 while asked < len(plan) and (asked <= i + ahead or (chunks and ahead and i >= last)):
@@ -248,10 +249,24 @@ def _chunks(cfg: LoaderConfig, sources: Sequence[SplitIndex], batches: int, span
     return itertools.chain([1], itertools.repeat(min(most, batches)))
 
 
-def _wait_first_out(first_out: torch.Tensor) -> None:
-    """Wait (up to `FIRST_OUT_WAIT` seconds) until the iteration's first batch has reached the main
-    process (`ShardStream.first_out`): read-ahead and cache downloads would take the cores and the
-    network from it (from its decoding in another worker, from its hand-over in this one)."""
+def begin(gate: torch.Tensor) -> int:
+    """In the main process, before asking the workers for an iteration: its ticket."""
+    gate[0] += 1
+    return int(gate[0])
+
+
+def release(gate: torch.Tensor, ticket: int) -> None:
+    """In the main process: iteration `ticket`'s first batch is out (or the iteration ended)."""
+    if gate[1] < ticket:
+        gate[1] = ticket
+
+
+def _wait_first_out(gate: torch.Tensor, ticket: int) -> None:
+    """Wait (up to `FIRST_OUT_WAIT` seconds) until iteration `ticket`'s first batch has reached the
+    main process: read-ahead and cache downloads would take the cores and the network from it (from
+    its decoding in another worker, from its hand-over in this one). An iteration's own ticket: a
+    worker still busy with an iteration left after its first batch (`validate_first_batch`) must not
+    wait for the next one's, which the main process cannot begin until that worker is done."""
     deadline = time.monotonic() + FIRST_OUT_WAIT
-    while not first_out[0] and time.monotonic() < deadline:
+    while gate[1] < ticket and time.monotonic() < deadline:
         time.sleep(0.002)
