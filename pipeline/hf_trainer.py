@@ -87,9 +87,9 @@ class StreamResume(TrainerCallback):
         epoch, done = divmod(micro // accumulate, per_epoch)
         done *= accumulate
         if done and steps % accumulate:
-            raise ConfigError(f"cannot resume mid-epoch exactly: gradient_accumulation_steps={accumulate} does not divide "
-                              f"the epoch's {steps} batches, and HF Trainer, told not to skip, would not step on "
-                              "the epoch's last partial accumulation; resume from an epoch's end, or without "
+            raise ConfigError(f"cannot resume mid-epoch exactly: gradient_accumulation_steps={accumulate} does not "
+                              f"divide the epoch's {steps} batches, and HF Trainer, told not to skip, would not "
+                              "step on the epoch's last partial accumulation; resume from an epoch's end, or without "
                               "resume_callback (HF then skips the trained batches by decoding them again)")
         ds = self.stream
         ds.state.set(epoch, (Resume(ds.world_size, done),) if done else ())
@@ -101,9 +101,9 @@ class StreamResume(TrainerCallback):
         epoch is the whole rounds its questions fill; HF counts epochs from 0 again after a resume."""
         prompts, repeats = batching["questions per generation round"], batching["micro-batches per round"]
         if micro % repeats:
-            raise ConfigError(f"cannot resume exactly inside a generation round (after {micro % repeats} of its {repeats} "
-                              "micro-batches): TRL regenerates the round's completions on resuming; save on rounds' "
-                              "ends (save_steps a multiple of num_iterations x steps_per_generation / "
+            raise ConfigError(f"cannot resume exactly inside a generation round (after {micro % repeats} of its "
+                              f"{repeats} micro-batches): TRL regenerates the round's completions on resuming; "
+                              "save on rounds' ends (save_steps a multiple of num_iterations x steps_per_generation / "
                               "gradient_accumulation_steps)")
         rounds = len(self.stream) // prompts
         self.start.epoch, done = divmod(micro // repeats, rounds)

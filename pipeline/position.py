@@ -68,7 +68,8 @@ class Place:
                               + ("" if world != here.world_size else ", and with on_error='skip' on its own rank only"))
         if (workers, worker) != (here.num_workers, here.worker):
             raise ConfigError(f"cannot resume: the state is of DataLoader worker {worker} of {workers}, this is worker "
-                              f"{here.worker} of {here.num_workers}: resume with num_workers={workers if workers > 1 else 0}")
+                              f"{here.worker} of {here.num_workers}: resume with "
+                              f"num_workers={workers if workers > 1 else 0}")
         self.hold(Position(epoch, history, worker, workers, batches, rows))
 
     def hold(self, position: Position) -> None:
@@ -110,6 +111,8 @@ def hand_over(batches: Iterator[Any], position: Position, unbatch: Callable[[Any
         if not rows:
             position.batches, position.rows = position.batches + 1, 0
         for i, row in enumerate(rows):
-            last = i == len(rows) - 1
-            position.batches, position.rows = (position.batches + 1, 0) if last else (position.batches, position.rows + 1)
+            if i == len(rows) - 1:  # (the batch's last row: the batch is handed over whole)
+                position.batches, position.rows = position.batches + 1, 0
+            else:
+                position.rows += 1
             yield row
