@@ -5,8 +5,10 @@
 For each size (1000 samples per shard: 1B is 1M shards) it builds one worker's plan and takes all
 its items as the loader does (each batch, and the batch `read_ahead` = 2 later): without a history,
 and after a 2-stretch elastic history (1024 ranks, then 768, resumed in 1024); at 100M also mixed
-with a second source (a tenth the size, cycled: weights 0.7/0.3). `--single` adds a 1-rank world
-with 2 workers at 100M (half the epoch for one worker: time grows with it, memory must not).
+with a second source (a tenth the size, cycled: weights 0.7/0.3), and resumed by a worker's own
+position at 90% of its plan (as `StatefulDataLoader` resumes it: entered at its index, the items
+before never computed). `--single` adds a 1-rank world with 2 workers at 100M (half the epoch for
+one worker: time grows with it, memory must not).
 Each case runs in a fresh subprocess: seconds (wall, and CPU: on a shared machine the wall clock
 waits for other work), and the peak resident memory over what the process held before planning
 (MB; the shard-size lists, as the loader holds them, are built before).
@@ -63,8 +65,10 @@ def _reset_peak() -> bool:
         return False
 
 
-def measure(total: int, shards: int, history: bool, mix: bool, world_size: int = 1024, workers: int = 8) -> dict:
-    """In this process: build one worker's plan and take its items; seconds and peak MB over before."""
+def measure(total: int, shards: int, history: bool, mix: bool, world_size: int = 1024, workers: int = 8,
+            begin: float = 0.0) -> dict:
+    """In this process: build one worker's plan and take its items (from the `begin` fraction of them
+    on); seconds and peak MB over before."""
     from pipeline.plan import Mix, Resume, World, plan_epoch, rank_batch_count
 
     q, r = divmod(total, shards)
@@ -87,20 +91,21 @@ def measure(total: int, shards: int, history: bool, mix: bool, world_size: int =
     start, cpu = time.perf_counter(), time.process_time()
     plan = plan_epoch(sources, 7, 3, world, batch_size=BATCH, mix=weights, history=stretches)
     batches, samples = len(plan), 0
-    for i, (_, _, ids) in enumerate(plan):
-        samples += ids.size
+    for i in range(int(batches * begin), batches):
+        samples += plan[i][2].size
         if i + READ_AHEAD < batches:
             plan[i + READ_AHEAD]
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak = _peak_mb()
     return {"samples": total, "shards": shards, "history": history, "mix": mix, "world": f"{world_size} x {workers}",
             "seconds": seconds, "cpu": cpu, "mb": peak - (before if fresh_peak else max(before, peak_before)),
-            "batches": batches, "yielded": samples}
+            "batches": batches, "yielded": samples, "begin": begin}
 
 
-def plan_figures(total: int, shards: int, history: bool, mix: bool, *, world_size: int = 1024, workers: int = 8) -> dict:
+def plan_figures(total: int, shards: int, history: bool, mix: bool, *, world_size: int = 1024, workers: int = 8,
+                 begin: float = 0.0) -> dict:
     """`measure` in a fresh subprocess (its peak memory its own)."""
-    argv = [sys.executable, __file__, "--child", json.dumps([total, shards, history, mix, world_size, workers])]
+    argv = [sys.executable, __file__, "--child", json.dumps([total, shards, history, mix, world_size, workers, begin])]
     out = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -112,22 +117,23 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        total, shards, history, mix, world_size, workers = json.loads(args.child)
-        print(json.dumps(measure(total, shards, history, mix, world_size, workers)))
+        print(json.dumps(measure(*json.loads(args.child))))
         return
-    cases = [(SIZES[s], SIZES[s] // 1000, h, False, 1024, 8) for s in args.sizes for h in (False, True)]
+    cases = [(SIZES[s], SIZES[s] // 1000, h, False, 1024, 8, 0.0) for s in args.sizes for h in (False, True)]
     if "100M" in args.sizes:
-        cases += [(100_000_000, 100_000, h, True, 1024, 8) for h in (False, True)]
+        cases += [(100_000_000, 100_000, h, True, 1024, 8, 0.0) for h in (False, True)]
+        cases.append((100_000_000, 100_000, False, False, 1024, 8, 0.9))
     if args.single:
-        cases.append((100_000_000, 100_000, False, False, 1, 2))
-    print(f"{'samples':>13} {'shards':>9} {'world':>9} {'history':>8} {'mix':>4} {'batches':>9} {'seconds':>8} {'cpu s':>7} {'MB':>7}"
-          f"  {'target':<20} before (issue 12)")
-    for total, shards, history, mix, world_size, workers in cases:
-        f = plan_figures(total, shards, history, mix, world_size=world_size, workers=workers)
+        cases.append((100_000_000, 100_000, False, False, 1, 2, 0.0))
+    print(f"{'samples':>13} {'shards':>9} {'world':>9} {'history':>8} {'mix':>4} {'from':>5} {'batches':>9} "
+          f"{'seconds':>8} {'cpu s':>7} {'MB':>7}  {'target':<20} before (issue 12)")
+    for total, shards, history, mix, world_size, workers, begin in cases:
+        f = plan_figures(total, shards, history, mix, world_size=world_size, workers=workers, begin=begin)
         target = TARGET if total <= 100_000_000 and world_size > 1 else "report" if world_size > 1 else "MB bounded"
+        before = BEFORE.get((total, history), "") if world_size > 1 and not mix and not begin else ""
         print(f"{total:>13,} {shards:>9,} {f['world']:>9} {'2 str.' if history else '-':>8} {'2' if mix else '-':>4} "
-              f"{f['batches']:>9,} {f['seconds']:>8.3f} {f['cpu']:>7.3f} {f['mb']:>7.1f}  {target:<20} "
-              f"{BEFORE.get((total, history), '') if world_size > 1 and not mix else ''}", flush=True)
+              f"{begin:>5.0%} {f['batches']:>9,} {f['seconds']:>8.3f} {f['cpu']:>7.3f} {f['mb']:>7.1f}  {target:<20} "
+              f"{before}", flush=True)
 
 
 if __name__ == "__main__":
