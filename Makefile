@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/python -m shard_tools.demo
+	$(BIN)/python -m shard_tools.samples.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -27,7 +27,7 @@ from pipeline import make_stream_loader  # noqa: E402
 from pipeline.device import prefetch_to_cuda, to_device  # noqa: E402
 from shard_tools.pack import PackOptions, pack  # noqa: E402
 from shard_tools.sa1b import Sa1bSource  # noqa: E402
-from shard_tools.sample_data import write_sa1b  # noqa: E402
+from shard_tools.samples.sa1b import write_sa1b  # noqa: E402
 
 SETTINGS = dict(batch_size=8, image_size=1024, mask_size=256, max_masks=64)
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from pipeline import make_stream_loader  # noqa: E402
 from shard_tools.pack import PackOptions, pack  # noqa: E402
 from shard_tools.sa1b import Sa1bSource  # noqa: E402
-from shard_tools.sample_data import write_sa1b  # noqa: E402
+from shard_tools.samples.sa1b import write_sa1b  # noqa: E402
 
 
 def _module(record: dict[int, list[str]], cuda: bool):

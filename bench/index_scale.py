@@ -1,7 +1,7 @@
 """What opening a dataset costs as it grows: manifest bytes, `make_stream_loader` seconds and
 main-process memory, each DataLoader worker's memory after its first batches, and one worker's
 epoch plan in a 1024-rank x 8-worker world, for synthetic SA-1B datasets of 1M, 11M and 100M
-samples (1000 per shard; `shard_tools.synthetic`: real manifest and indexes, one real shard
+samples (1000 per shard; `shard_tools.samples.synthetic`: real manifest and indexes, one real shard
 linked under every name). The reference is the same 1M dataset written as schema 2 (per-sample
 tables in the manifest), measured in the same run.
 
@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from shard_tools.synthetic import write_synthetic  # noqa: E402
+from shard_tools.samples.synthetic import write_synthetic  # noqa: E402
 
 TARGETS = {11_000_000: (1.0, 64), 100_000_000: (3.0, 256)}  # open seconds, main-process MB
 PER_SAMPLE_TARGET = 8  # bytes of resident memory per extra sample

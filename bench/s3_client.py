@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options  # noqa: E402
+from shard_tools.samples.locals3 import AWS_ENV, SeaweedFS, storage_options  # noqa: E402
 
 # Explicit credentials only: no cloud metadata probing, no user configuration files.
 os.environ.update({k: v for k, v in AWS_ENV.items() if not k.startswith(("AWS_ACCESS", "AWS_SECRET"))})

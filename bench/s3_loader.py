@@ -39,7 +39,7 @@ import time
 from sa1b_loader import SETTINGS, packed  # (bench/ is on the path of a script run from it)
 from sa1b_peers import WDS_SHUFFLE, PeerDecode
 
-from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
+from shard_tools.samples.locals3 import AWS_ENV, SeaweedFS, storage_options
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 from objectstore import FaultProxy  # noqa: E402  (the tests' recording proxy)

@@ -41,7 +41,7 @@ SETTINGS = dict(batch_size=8, image_size=1024, mask_size=256, max_masks=64)
 
 def prepare(images: int) -> pathlib.Path:
     """Sample data (cached): SA-1B archives, their extracted files, and packed shards."""
-    from shard_tools.sample_data import write_sa1b
+    from shard_tools.samples.sa1b import write_sa1b
 
     data = CACHE / f"{images}"
     if not (data / "shards" / "manifest.json").exists():

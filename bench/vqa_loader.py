@@ -37,7 +37,7 @@ BATCH = 16
 def prepare(images: int) -> pathlib.Path:
     """Sample data (cached): JPEGs, a VQA-RAD-style train.json, and the packed shards."""
     from shard_tools.pack import PackOptions
-    from shard_tools.sample_vqa import records, write_images
+    from shard_tools.samples.vqa import records, write_images
     from shard_tools.vqa import VqaSource, pack_vqa
 
     data = CACHE / f"{images}"

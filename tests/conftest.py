@@ -18,8 +18,8 @@ from pipeline.storage import filesystem, read_index, read_manifest, shard_indexe
 
 from shard_tools.pack import PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
-from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
-from shard_tools.sample_data import write_sa1b
+from shard_tools.samples.locals3 import AWS_ENV, SeaweedFS, storage_options
+from shard_tools.samples.sa1b import write_sa1b
 
 IMAGES = 14
 
@@ -104,7 +104,7 @@ def new_bucket(server: SeaweedFS) -> str:
 @pytest.fixture(scope="session")
 def vqa(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A SLAKE-layout split "train": 8 images, 1 to 5 questions each, 3 images per shard."""
-    from shard_tools.sample_vqa import write_vqa
+    from shard_tools.samples.vqa import write_vqa
     from shard_tools.vqa import VqaSource, pack_vqa
 
     root = tmp_path_factory.mktemp("vqa-small")

@@ -1,5 +1,5 @@
 """A fault-injecting HTTP proxy for the object-storage tests, on 127.0.0.1 in front of the local
-SeaweedFS server (`shard_tools.locals3`)."""
+SeaweedFS server (`shard_tools.samples.locals3`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from shard_tools.locals3 import HOST, KEY, SECRET
+from shard_tools.samples.locals3 import HOST, KEY, SECRET
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from pipeline import make_stream_loader
 from pipeline.kinds.sa1b import Sa1b, Sa1bOptions
 from shard_tools.pack import PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
-from shard_tools.sample_data import write_sa1b
+from shard_tools.samples.sa1b import write_sa1b
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import sa1b_peers  # noqa: E402

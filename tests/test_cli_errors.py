@@ -30,8 +30,8 @@ from pipeline.errors import InputError, PackError, TooManySkipped
 from shard_tools.cli import COMMANDS, main
 from shard_tools.pack import Interrupted, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
-from shard_tools.sample_data import write_sa1b
-from shard_tools.sample_vqa import write_vqa
+from shard_tools.samples.sa1b import write_sa1b
+from shard_tools.samples.vqa import write_vqa
 from shard_tools.tune import TuneError
 
 REPO = str(pathlib.Path(__file__).resolve().parent.parent)

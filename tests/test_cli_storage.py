@@ -17,9 +17,9 @@ import pytest
 import s3fs
 
 from shard_tools.cli import main
-from shard_tools.sample_vqa import write_vqa
+from shard_tools.samples.vqa import write_vqa
 from conftest import new_bucket
-from shard_tools.locals3 import SECRET, SeaweedFS, storage_options
+from shard_tools.samples.locals3 import SECRET, SeaweedFS, storage_options
 
 SMALL = ["--image-size", "32", "--mask-size", "8", "--max-masks", "2"]
 

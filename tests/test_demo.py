@@ -1,8 +1,8 @@
-"""`make demo` runs shard_tools.demo: it must keep working end to end."""
+"""`make demo` runs shard_tools.samples.demo: it must keep working end to end."""
 
 from __future__ import annotations
 
-from shard_tools import demo
+from shard_tools.samples import demo
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):

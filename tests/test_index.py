@@ -222,7 +222,7 @@ print(rss() - before, len(loader))
 
 
 def test_opening_a_dataset_does_not_grow_with_its_samples(tmp_path):
-    from shard_tools.synthetic import write_synthetic
+    from shard_tools.samples.synthetic import write_synthetic
 
     warm = tmp_path / "warm"
     write_synthetic(warm, 1000)

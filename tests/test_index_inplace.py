@@ -26,7 +26,7 @@ from pipeline.kinds.sa1b import Sa1bOptions, unbatch
 from pipeline.storage import read_manifest
 from shard_tools.cli import main
 from shard_tools.index import SeenKeys, index_sa1b, index_webdataset
-from shard_tools.locals3 import storage_options
+from shard_tools.samples.locals3 import storage_options
 from test_hostile import _corpus
 from conftest import indexed, new_bucket, split_keys
 from procs import run_bounded

@@ -9,7 +9,7 @@ import pytest
 from pipeline import make_stream_loader
 from shard_tools.pack import PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
-from shard_tools.sample_data import write_sa1b
+from shard_tools.samples.sa1b import write_sa1b
 from conftest import split_keys
 
 SMALL = dict(image_size=32, mask_size=8, max_masks=2)

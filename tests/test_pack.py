@@ -22,7 +22,7 @@ from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, TooManySkipped, pack, parse_splits, split_of
 from shard_tools.progress import Progress
 from shard_tools.sa1b import Sa1bSource
-from shard_tools.sample_data import write_sa1b
+from shard_tools.samples.sa1b import write_sa1b
 from conftest import indexed, split_keys
 
 

@@ -16,7 +16,7 @@ from shard_tools.cli import main
 from shard_tools.embeddings import pack_embeddings
 from shard_tools.pack import PackOptions
 from shard_tools.preview import BACKGROUND, preview
-from shard_tools.sample_vqa import write_vqa
+from shard_tools.samples.vqa import write_vqa
 from shard_tools.vqa import VqaSource, pack_vqa
 
 TILE = 100

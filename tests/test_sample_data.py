@@ -1,4 +1,4 @@
-"""Tests for shard_tools.sample_data (SA-1B-shaped sample datasets)."""
+"""Tests for shard_tools.samples.sa1b (SA-1B-shaped sample datasets)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pycocotools.mask as mask_utils
 import pytest
 from PIL import Image
 
-from shard_tools.sample_data import PHOTOS, main, photo_paths, write_sa1b
+from shard_tools.samples.sa1b import PHOTOS, main, photo_paths, write_sa1b
 
 IMAGES = 4
 SIZE = (120, 180)

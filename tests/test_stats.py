@@ -15,7 +15,7 @@ from pipeline import LoaderConfig, LoaderStats, make_stream_dataset, make_stream
 from pipeline.stats import Clock, WorkerTable
 from shard_tools.embeddings import pack_embeddings
 from shard_tools.pack import PackOptions
-from shard_tools.sample_vqa import write_vqa
+from shard_tools.samples.vqa import write_vqa
 from shard_tools.vqa import VqaSource, pack_vqa
 from test_loader import corrupted  # noqa: F401  (a fixture: one sample's annotation damaged)
 

@@ -36,7 +36,7 @@ from pipeline.storage import Retry, filesystem, read_range
 from pipeline.storage.ranged import ranged_reader
 from pipeline.storage.retry import transient
 from pipeline.storage.s3 import S3Error
-from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
+from shard_tools.samples.locals3 import AWS_ENV, SeaweedFS, storage_options
 from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
 from shard_tools.verify import upgrade, verify
@@ -989,7 +989,7 @@ def test_a_forked_child_never_uses_a_client_of_its_parent(remote, sa1b_dataset, 
 _FORKED_WORKERS = r"""
 import hashlib, json, logging, os, sys
 from pipeline import make_stream_loader
-from shard_tools.locals3 import storage_options
+from shard_tools.samples.locals3 import storage_options
 logging.basicConfig(level=logging.WARNING, format="%(process)d %(name)s %(message)s")
 logging.getLogger("pipeline.storage").setLevel(logging.DEBUG)
 loader = make_stream_loader(sys.argv[1], "train", batch_size=2, num_workers=2, seed=5, multiprocessing_context="fork",

@@ -23,7 +23,7 @@ from pipeline.rle import fit
 from pipeline.kinds.vqa import VqaOptions, check_batch, open_sample
 from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, TooManySkipped
-from shard_tools.sample_vqa import write_images, write_vqa
+from shard_tools.samples.vqa import write_images, write_vqa
 from shard_tools.vqa import VqaSource, detect_layout, image_key, pack_vqa
 from conftest import index_of, indexed, split_units
 

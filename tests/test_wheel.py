@@ -23,7 +23,7 @@ import zipfile
 import pytest
 import torch
 
-from shard_tools.sample_data import write_sa1b
+from shard_tools.samples.sa1b import write_sa1b
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ def _template_members() -> list[tuple[str, bytes]]:
     """The members of one real packed SA-1B sample (a 32 x 48 photograph, two masks)."""
     from shard_tools.pack import PackOptions, pack
     from shard_tools.sa1b import Sa1bSource
-    from shard_tools.sample_data import write_sa1b
+    from shard_tools.samples.sa1b import write_sa1b
 
     with tempfile.TemporaryDirectory(prefix="shardstream-synthetic-") as tmp:
         write_sa1b(pathlib.Path(tmp, "src"), images=1, size=(32, 48), masks=(2, 2), images_per_archive=1)

@@ -24,8 +24,8 @@ import torch
 
 from pipeline import make_stream_loader, validate_first_batch
 from shard_tools.cli import main as shard_pack
-from shard_tools.locals3 import AWS_ENV, SeaweedFS, storage_options
-from shard_tools.sample_data import write_sa1b
+from shard_tools.samples.locals3 import AWS_ENV, SeaweedFS, storage_options
+from shard_tools.samples.sa1b import write_sa1b
 
 
 def _step(text: str) -> None:
@@ -33,7 +33,7 @@ def _step(text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shard_tools.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m shard_tools.samples.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=pathlib.Path, default=pathlib.Path(".cache/demo"), help="working folder")
     parser.add_argument("--images", type=int, default=24)
     parser.add_argument("--workers", type=int, default=2)

@@ -26,7 +26,7 @@ regardless of the number of worker processes.
 
 Command line::
 
-    python -m shard_tools.sample_data OUT [--images N] [--height H] [--width W]
+    python -m shard_tools.samples.sa1b OUT [--images N] [--height H] [--width W]
         [--layout tar|folder] [--seed S] [--workers K]
 """
 
@@ -45,7 +45,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 from pipeline.errors import ConfigError
-from shard_tools.sample_sa1b import PHOTOS, Job, Rendered, image_size, photo_paths, render
+from shard_tools.samples.photos import PHOTOS, Job, Rendered, image_size, photo_paths, render
 
 __all__ = ["PHOTOS", "photo_paths", "write_sa1b", "main"]
 
@@ -235,7 +235,7 @@ def _write_archives(out: pathlib.Path, files: Iterable[tuple[tuple[str, bytes], 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the process exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m shard_tools.sample_data",
+        prog="python -m shard_tools.samples.sa1b",
         description="Write an SA-1B-shaped dataset from scikit-image's bundled photos.",
     )
     parser.add_argument("out", help="output folder")

@@ -2,7 +2,7 @@
 
 The image is a random crop (with a random flip) of a bundled photo; its masks are regions of real
 segmentations of the crop (SLIC at several scales plus Felzenszwalb), so that masks overlap as in
-SA-1B, encoded as COCO compressed RLE. `shard_tools.sample_data` writes them as a dataset.
+SA-1B, encoded as COCO compressed RLE. `shard_tools.samples.sa1b` writes them as a dataset.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from PIL import Image
 __all__ = ["PHOTOS", "Job", "Rendered", "image_size", "photo_paths", "render"]
 
 # The writer's logger: its warnings keep the name they had before the renderer had its own module.
-logger = logging.getLogger("shard_tools.sample_data")
+logger = logging.getLogger("shard_tools.samples.sa1b")
 
 #: Sample photographs shipped inside the scikit-image wheel (file names in
 #: ``skimage/data``; the matching loaders are ``skimage.data.astronaut()``,
