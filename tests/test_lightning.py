@@ -257,7 +257,7 @@ _LIGHTNING_EMPTY_EPOCH = pytest.mark.xfail(strict=True, reason=(
 _LIGHTNING_ITER_BEFORE_EPOCH = pytest.mark.xfail(strict=True, reason=(
     "Lightning 2.6 makes the first iterator of a fit (StatefulDataLoader workers start the dataset's "
     "iteration) before on_train_epoch_start: resumed at an epoch's start, the dataset plays the epoch it "
-    "was made with (0) in that epoch (Lightning-AI/pytorch-lightning#21938); set it in train_dataloader"))
+    "was made with (0) in that epoch; set it in train_dataloader"))
 
 
 @pytest.mark.slow
