@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 
 from pipeline.errors import ConfigError
 from pipeline.plan import Resume, rank_batch_count
-from pipeline.state import check_identity
+from pipeline.state import check_identity, differences
 
 __all__ = ["StreamResume"]
 
@@ -125,8 +125,7 @@ class StreamResume(TrainerCallback):
 def _check(saved: dict[str, Any], here: dict[str, Any]) -> None:
     """Refuse a checkpoint of another dataset, order, kind options or batching."""
     if saved.get("batching") != here["batching"]:
-        before, now = saved.get("batching") or {}, here["batching"]
-        differ = "; ".join(f"{k}: {before.get(k)} there, {now.get(k)} here" for k in now if before.get(k) != now.get(k))
-        raise ConfigError(f"cannot resume: the checkpoint was trained in other batches ({differ}); the same global "
+        raise ConfigError(f"cannot resume: the checkpoint was trained in other batches "
+                          f"({differences(saved.get('batching') or {}, here['batching'])}); the same global "
                           "batch resumes on any number of processes")
     check_identity(saved, {k: v for k, v in here.items() if k != "batching"})

@@ -17,7 +17,7 @@ from pipeline.errors import ConfigError
 from pipeline.format import Manifest
 from pipeline.plan import Resume
 
-__all__ = ["EpochState", "STATE_VERSION", "ORDER_SETTINGS", "fingerprint", "describe", "check_identity",
+__all__ = ["EpochState", "STATE_VERSION", "ORDER_SETTINGS", "fingerprint", "describe", "differences", "check_identity",
            "resume_point"]
 
 # 3: the mixed order is windowed (a state of an earlier mixed epoch would not resume exactly);
@@ -91,6 +91,12 @@ def describe(value: Any) -> Any:
     return repr(value)
 
 
+def differences(there: Mapping[str, Any], here: Mapping[str, Any]) -> str:
+    """The entries two dicts disagree on, for a message: "name: there's value there, here's here; ..."."""
+    names = sorted(k for k in there.keys() | here.keys() if there.get(k) != here.get(k))
+    return "; ".join(f"{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in names)
+
+
 def check_identity(state: Any, identity: dict[str, Any]) -> None:
     """Refuse a saved state of another dataset, split, order or kind options than `identity` says."""
     if not isinstance(state, Mapping):
@@ -98,9 +104,8 @@ def check_identity(state: Any, identity: dict[str, Any]) -> None:
     for name, value in identity.items():
         if state.get(name) != value:
             if name == "options" and isinstance(value, dict) and isinstance(state.get(name), dict):
-                differ = sorted(k for k in value.keys() | state[name].keys() if value.get(k) != state[name].get(k))
-                detail = "; ".join(f"{k}: {state[name].get(k)!r} there, {value.get(k)!r} here" for k in differ)
-                raise ConfigError(f"cannot resume: the state was saved with other options of the kind ({detail})")
+                raise ConfigError("cannot resume: the state was saved with other options of the kind "
+                                  f"({differences(state[name], value)})")
             raise ConfigError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
 
 
