@@ -1,23 +1,20 @@
-"""The decode stage of a worker: a batch's read samples opened and decoded by the kind, failures
+"""The decode stage of a worker: a batch's samples taken from the read stage and decoded by the kind, failures
 counted and left out under on_error="skip" within the iteration's budget, then collated into
 buffers the main process lends back (`collate.Leases`)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-import numpy.ma  # noqa: F401  (np.unique imports it on first use: ~0.1 s of each worker's first batch)
 import torch
 from torch.utils.data import get_worker_info
 
 from pipeline.collate import Leases
 from pipeline.config import LoaderConfig
-from pipeline.errors import ConfigError, ShardError, ShardstreamError
-from pipeline.index import SplitIndex, Where, group, locate
+from pipeline.errors import ConfigError, ShardError, ShardstreamError, about_sample
+from pipeline.index import Located, SplitIndex
 from pipeline.kinds import Kind
 from pipeline.read import SampleReads
 from pipeline.stats import Clock
@@ -38,29 +35,20 @@ class Decoder:
     def open(self, members: dict[str, Any], url: str, key: str, units: int) -> Any:
         return self.kind.open(members, url=url, key=key, units=units)
 
-    def prepare(self, reads: SampleReads, sources: np.ndarray,
-                 items: np.ndarray) -> tuple[list[Where], list[tuple[Where, Any]]]:
-        """A batch's samples in order of first use, and what to decode of each (`index.group`)."""
-        samples, units = np.empty_like(items), np.zeros_like(items)
-        for number in np.unique(sources).tolist():
-            mine = np.flatnonzero(sources == number)
-            samples[mine], units[mine] = locate(self.sources[number], items[mine],
-                                                functools.partial(reads.unit_starts, number))
-        return group(sources, samples, units, self.kind.grouped)
-
-    def decode(self, reads: SampleReads, work: Sequence[tuple[Where, Any]], epoch: int, worker: int,
-                budget: int | None, clock: Clock) -> tuple[list[Any], int]:
+    def decode(self, reads: SampleReads, work: Sequence[tuple[Located, Any]], epoch: int, worker: int,
+               budget: int | None, clock: Clock) -> tuple[list[Any], int]:
         """The batch's decoded samples and how many of its units failed; with on_error="skip", those
         that fail are counted and left out (more than `budget` in this iteration of the rank: an error)."""
         cfg, pieces, lost = self.config, [], 0
-        for where, unit in work:
+        for sample, unit in work:
             try:
-                sample, url, key = reads.take(where)
+                opened = reads.take(sample)
                 try:
-                    pieces.append(self.kind.decode(sample, unit=unit, seed=cfg.seed, epoch=epoch, url=url, key=key,
-                                                   clock=clock))
+                    with about_sample(sample.url, sample.key):
+                        pieces.append(self.kind.decode(opened, unit=unit, seed=cfg.seed, epoch=epoch, url=sample.url,
+                                                       key=sample.key, clock=clock))
                 finally:
-                    reads.done(where)
+                    reads.done(sample)
             except ShardstreamError as exc:
                 if cfg.on_error == "raise" or isinstance(exc, ConfigError):  # (a setting's error is no sample's)
                     raise
@@ -72,7 +60,7 @@ class Decoder:
                 if budget is not None and skipped > budget:
                     raise ShardError(f"{skipped} samples skipped in this epoch, "
                                      f"more than max_errors={cfg.max_errors} allows ({budget}); last: {exc}",
-                                     url=self.sources[where[0]].root) from exc
+                                     url=self.sources[sample.where[0]].root) from exc
         return pieces, lost
 
     def collate(self, samples: list[Any], worker: int, epoch: int) -> Any:

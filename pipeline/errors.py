@@ -7,11 +7,14 @@ the training process with its type and attributes intact.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
     "ShardstreamError", "ConfigError", "ManifestError", "DatasetError", "ShardError", "ShardIndexError", "SampleError",
     "InputError", "RowError", "PackError", "TooManySkipped", "PlanError", "RLEError", "excerpt",
+    "about_sample",
 ]
 
 
@@ -25,14 +28,18 @@ def excerpt(value: str | bytes, limit: int = 16) -> str:
 
 class ShardstreamError(Exception):
     """Base class of every error this project raises on purpose: a message about one URL (None where it is
-    about no one file: a split that cannot be planned, one mask of a sample)."""
+    about no one file: a split that cannot be planned, one mask of a sample), and about one sample of it
+    where `key` is set (by the stage that reads the sample: `about_sample`)."""
+
+    key: str | None = None
 
     def __init__(self, message: str, *, url: str | None = None) -> None:
         super().__init__(message)
         self.url, self.message = url, message
 
     def __str__(self) -> str:
-        return self.message if self.url is None else f"{self.url}: {self.message}"
+        sample = "" if self.key is None else f"sample {self.key!r}: "
+        return self.message if self.url is None else f"{self.url}: {sample}{self.message}"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _rebuild, (type(self), self.message, dict(vars(self)))
@@ -70,7 +77,11 @@ class DatasetError(ManifestError, ValueError):
 
 
 class ShardError(ShardstreamError):
-    """A shard cannot be read or does not hold what the manifest says."""
+    """A shard cannot be read or does not hold what the manifest says (about its sample `key`, if given)."""
+
+    def __init__(self, message: str, *, url: str | None = None, key: str | None = None) -> None:
+        super().__init__(message, url=url)
+        self.key = key
 
 
 class ShardIndexError(ShardError):
@@ -138,3 +149,16 @@ class RLEError(ShardstreamError, ValueError):
 
     def __str__(self) -> str:
         return f"mask {self.index}: {self.message}"
+
+
+@contextlib.contextmanager
+def about_sample(url: str, key: str) -> Iterator[None]:
+    """ShardErrors raised inside are about this sample of the shard at `url`: those that name no URL
+    or this one, and no sample, get its URL and key (as attributes, and so in their message), once,
+    here, so that the functions that read it need not take them only to say them."""
+    try:
+        yield
+    except ShardError as exc:
+        if exc.key is None and exc.url in (None, url):
+            exc.url, exc.key = url, key
+        raise

@@ -3,22 +3,31 @@ pure grouping of a batch's items into the samples to read and what to decode of 
 
 Samples are numbered over a split's shards in order; the plan's items (units, or samples when the
 kind yields each sample once) likewise. Each sample's key, span and units come from its shard's
-index (`format.ShardIndex`), fetched by the worker that reads the shard."""
+index (`format.ShardIndex`), fetched by the worker that reads the shard; a sample's whole location
+(`Located`) is resolved once from them, here, without I/O, and flows down to the readers."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from pipeline.format import Manifest, Split
+from pipeline.format import Manifest, ShardIndex, ShardInfo, Split
+from pipeline.storage.fs import shard_url
+from pipeline.tario import BLOCK
 
-__all__ = ["SplitIndex", "Where", "locate", "group"]
+__all__ = ["Located", "MEMBER_GAP", "Members", "SplitIndex", "Where", "group", "locate", "member_ranges", "resolve"]
 
 Where = tuple[int, int]  # a sample: (source, sample number in the source's split)
+Members = list[tuple[str, int, int]]  # (extension, header offset, data bytes) of each, in shard order
 _SAMPLE_BITS = 40  # (source, sample) packed in one int64 for np.unique
+
+# Members of a sample this far apart or more are read by separate ranges. A range request costs
+# about as much as 1 MiB of transfer from object storage (~10-20 ms of latency at ~50-100 MB/s),
+# so a sample costs at most its own bytes plus a gap under 1 MiB between two members read together.
+MEMBER_GAP = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,20 +58,53 @@ class SplitIndex:
         return np.searchsorted(self.first_item, items, side="right") - 1
 
 
-def locate(index: SplitIndex, items: np.ndarray,
-           unit_starts: Callable[[list[int]], Mapping[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """(sample number, unit within the sample) of each plan item. `unit_starts(shards)` gives, for
-    each shard the items touch, its samples' first units (`ShardIndex.unit_starts`; the reader
-    fetches those indexes then, all at once)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Located:
+    """Where a sample is, resolved once (`resolve`) and handed to the readers: its shard (name, size,
+    digest) and URL, its key, units, and the byte ranges that read it, each with its members (None:
+    an index without members, one range)."""
+
+    where: Where
+    shard: ShardInfo
+    url: str
+    key: str
+    units: int
+    ranges: tuple[tuple[int, int, Members | None], ...]
+
+
+def member_ranges(members: Members, gap: int = MEMBER_GAP) -> list[tuple[int, int, Members]]:
+    """The byte ranges [start, end) that read a sample's members (in shard order), each with the
+    members it holds: neighbours less than `gap` bytes apart share a range, others get their own."""
+    ranges: list[tuple[int, int, Members]] = []
+    for member in members:
+        start, end = member[1], member[1] + BLOCK + member[2] + (-member[2] % BLOCK)
+        if ranges and start - ranges[-1][1] < gap:
+            ranges[-1] = (ranges[-1][0], end, [*ranges[-1][2], member])
+        else:
+            ranges.append((start, end, [member]))
+    return ranges
+
+
+def resolve(index: SplitIndex, where: Where, shard_indexes: Mapping[int, ShardIndex]) -> Located:
+    """A sample's location, from its split and its shard's index (one of `shard_indexes`, by shard)."""
+    shard, at = index.where(where[1])
+    info, shard_index = index.split[shard], shard_indexes[shard]
+    members = shard_index.sample_members(at) if shard_index.members is not None else None
+    ranges = member_ranges(members) if members is not None else [(*shard_index.span(at), None)]
+    return Located(where, info, shard_url(index.root, info.name), shard_index.key(at), int(shard_index.units[at]),
+                   tuple(ranges))
+
+
+def locate(index: SplitIndex, items: np.ndarray, unit_starts: Mapping[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(sample number, unit within the sample) of each plan item. `unit_starts`: for each shard the
+    items touch, its samples' first units (`ShardIndex.unit_starts`; needed when the plan orders units)."""
     shard = index.shards_of(items)
     local = items - index.first_item[shard]
     samples, units = np.empty_like(items), np.zeros_like(items)
-    touched = np.unique(shard).tolist()
-    starts_of = unit_starts(touched)
-    for i in touched:
+    for i in np.unique(shard).tolist():
         at = shard == i
         if index.by_units:
-            starts = starts_of[i]
+            starts = unit_starts[i]
             within = np.searchsorted(starts, local[at], side="right") - 1
             units[at] = local[at] - starts[within]
         else:

@@ -28,7 +28,8 @@ from pipeline.stats import MAIN_STAGES, Clock, LoaderStats
 from pipeline.state import ORDER_SETTINGS, STATE_VERSION, describe, fingerprint, resume_point
 from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
 from pipeline.storage.places import Places
-from pipeline.stream import ShardStream, WorkerError, begin, release
+from pipeline.schedule import FirstOut
+from pipeline.stream import ShardStream, WorkerError
 
 __all__ = ["LoaderConfig", "LoaderStats", "StreamLoader", "make_stream_loader", "make_stream_dataset",
            "validate_first_batch"]
@@ -147,13 +148,12 @@ class StreamLoader:
             raise RuntimeError("this iterator of the loader is no longer valid: load_state_dict(), set_epoch() or a "
                                "newer iter() came after it began; iterate the loader again")
 
-    def _pulled(self, generation: int, ticket: int) -> Iterator[Any]:
+    def _pulled(self, generation: int, first_out: FirstOut | None, ticket: int) -> Iterator[Any]:
         """The DataLoader's batches, each taken only while `generation` is current (persistent workers
-        serve whichever iteration asks: a stale one must not take a batch of the next). `ticket`: this
-        iteration's, whose first batch the workers' read-ahead waits for (`stream.begin`)."""
+        serve whichever iteration asks: a stale one must not take a batch of the next). The workers'
+        read-ahead waits for iteration `ticket`'s first batch (`schedule.FirstOut`)."""
         self._check_current(generation)
         clock, start = self._clock, time.perf_counter_ns()  # the hand-off: from asking to getting (workers start)
-        gate = self._stream.gate
         batches = iter(self._loader)
         try:
             while True:
@@ -168,10 +168,12 @@ class StreamLoader:
                                        f"memory?): {_describe(exc)}") from exc
                 clock.add("hand-off", time.perf_counter_ns() - start)
                 yield batch
-                release(gate, ticket)  # (asked for the next: the first is out, or the device stage takes one ahead)
+                if first_out is not None:  # (asked for the next: the first is out, or the device stage takes one ahead)
+                    first_out.release(ticket)
                 start = time.perf_counter_ns()
         finally:
-            release(gate, ticket)  # (however the iteration ends, no worker waits for its first batch)
+            if first_out is not None:
+                first_out.release(ticket)  # (however the iteration ends, no worker waits for its first batch)
 
     def _iterate(self, generation: int) -> Iterator[dict[str, Any]]:
         self._check_current(generation)
@@ -179,8 +181,9 @@ class StreamLoader:
         stream, clock, every = self._stream, self._clock, self.config.stats_every
         clock.mark()  # (from here, the time outside the stages' blocks is "other")
         history, world_size = stream.state.history, stream.world_size
-        ticket = begin(stream.gate)  # (before `_pulled` asks the workers)
-        batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._pulled(generation, ticket))
+        first_out = stream.first_out
+        ticket = first_out.begin() if first_out is not None else 0  # (before `_pulled` asks the workers)
+        batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._pulled(generation, first_out, ticket))
         if self.device is not None and self.device.type == "cuda":
             batches = prefetch_to_cuda(batches, self.device)
         elif self.device is not None:
@@ -201,7 +204,8 @@ class StreamLoader:
                 finished = stream.kind.finish(batch)
                 del batch  # (released here, not at the next fetch: freeing its tensors is finishing's cost)
                 self._yielded += 1
-                release(stream.gate, ticket)  # (the workers' read-ahead waits for the first: `stream._wait_first_out`)
+                if first_out is not None:
+                    first_out.release(ticket)  # (the first batch is out: the workers read ahead)
             with clock.stage("loop"):
                 yield finished
             if every is not None and self._yielded % every == 0:
@@ -407,6 +411,7 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     stream, manifests = _stream(source, split, config, options, max_workers=workers)
     if workers:
         stream.decoder.leases = Leases(workers)
+        stream.first_out = FirstOut(config.multiprocessing_context)
         _check_picklable(stream.kind, config.multiprocessing_context or multiprocessing.get_start_method())
     loader = DataLoader(
         stream,

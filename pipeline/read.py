@@ -1,8 +1,9 @@
-"""The read stage: samples' bytes fetched in reader threads ahead of their use, checked (shard size,
-sample size, tar members), and samples of several units kept open for their next units.
+"""The read stage: samples' bytes fetched in reader threads ahead of their use, each by the way its
+shard is read (`storage.ShardReader.way`), checked (shard size, sample size, tar members), and
+samples of several units kept open for their next units.
 
-It knows nothing of kinds: it parses a sample's tar members and hands them to the `open` function
-it is given (the kind's), and keeps what that returns."""
+It takes samples located already (`index.Located`) and knows nothing of kinds: it parses a
+sample's tar members and hands them to the `open` function it is given (the kind's)."""
 
 from __future__ import annotations
 
@@ -19,40 +20,21 @@ import numpy as np
 import torch
 
 from pipeline.config import LoaderConfig
-from pipeline.errors import ShardError
-from pipeline.format import ShardIndex, ShardInfo
-from pipeline.index import SplitIndex, Where
+from pipeline.errors import ShardError, about_sample
+from pipeline.format import ShardIndex
+from pipeline.index import Located, Members, SplitIndex, Where
 from pipeline.stats import Clock
-from pipeline.storage import ShardCache, ShardReader, is_local, release_pages, shard_url
+from pipeline.storage import ShardCache, ShardReader, is_local, release_pages
+from pipeline.storage.reader import Way
 from pipeline.storage.retry import describe
-from pipeline.tario import BLOCK, parse_sample
+from pipeline.tario import ReadLimits, parse_sample
 
-__all__ = ["MEMBER_GAP", "Opened", "ProcessReaders", "SampleReads", "member_ranges", "merge_spans"]
+__all__ = ["Opened", "ProcessReaders", "SampleReads", "merge_spans"]
 
 Open = Callable[[dict[str, Any], str, str, int], Any]  # (members, url, key, units) -> an opened sample
-Members = list[tuple[str, int, int]]  # (extension, header offset, data bytes) of each, in shard order
+Pieces = list[tuple[int, bytes | memoryview, Members | None]]  # a sample's ranges read: (start, bytes, members)
 
 log = logging.getLogger(__name__)
-_CHECKED: concurrent.futures.Future[None] = concurrent.futures.Future()  # (a check done: nothing to wait for)
-_CHECKED.set_result(None)
-
-# Members of a sample this far apart or more are read by separate ranges. A range request costs
-# about as much as 1 MiB of transfer from object storage (~10-20 ms of latency at ~50-100 MB/s),
-# so a sample costs at most its own bytes plus a gap under 1 MiB between two members read together.
-MEMBER_GAP = 1 << 20
-
-
-def member_ranges(members: Members, gap: int = MEMBER_GAP) -> list[tuple[int, int, Members]]:
-    """The byte ranges [start, end) that read a sample's members (in shard order), each with the
-    members it holds: neighbours less than `gap` bytes apart share a range, others get their own."""
-    ranges: list[tuple[int, int, Members]] = []
-    for member in members:
-        start, end = member[1], member[1] + BLOCK + member[2] + (-member[2] % BLOCK)
-        if ranges and start - ranges[-1][1] < gap:
-            ranges[-1] = (ranges[-1][0], end, [*ranges[-1][2], member])
-        else:
-            ranges.append((start, end, [member]))
-    return ranges
 
 
 def merge_spans(ranges: Sequence[tuple[int, int]], amplification: float) -> list[tuple[int, int, list[int]]]:
@@ -74,15 +56,26 @@ def merge_spans(ranges: Sequence[tuple[int, int]], amplification: float) -> list
     return spans
 
 
-class Opened(collections.OrderedDict[Where, tuple[Any, int, str, str]]):
-    """Samples of several units kept open for their next units, (sample, bytes, url, key) each: the
+def checked(sample: Located, limits: ReadLimits) -> Located:
+    """The sample, if its members and bytes are within `limits` (else a ShardError)."""
+    members = sum(len(group) for _, _, group in sample.ranges if group is not None)
+    if members > limits.max_members:
+        raise ShardError(f"more than {limits.max_members} members", url=sample.url)
+    size = sum(end - start for start, end, _ in sample.ranges)
+    if size > limits.max_sample_bytes:
+        raise ShardError(f"spans {size} bytes, more than max_sample_bytes={limits.max_sample_bytes}", url=sample.url)
+    return sample
+
+
+class Opened(collections.OrderedDict[Where, tuple[Any, int]]):
+    """Samples of several units kept open for their next units, (sample, bytes) each: the
     least recently used go past `limit` bytes or `count` samples (but the newest)."""
 
     def __init__(self, limit: int, count: int = 1 << 16) -> None:
         super().__init__()
         self.limit, self.count, self.held = limit, count, 0
 
-    def keep(self, where: Where, entry: tuple[Any, int, str, str]) -> None:
+    def keep(self, where: Where, entry: tuple[Any, int]) -> None:
         self[where] = entry
         self.held += entry[1]
         while (self.held > self.limit or len(self) > self.count) and len(self) > 1:
@@ -134,31 +127,27 @@ class ProcessReaders:
 class _Spans:
     """The spans of one shard's samples asked for together (`SampleReads._read_spans`): `read` reads one
     (in a thread of its own) and sets the future of each sample once all its ranges arrived; a span
-    that fails fails each of its samples, by its own key, with the span's error."""
+    that fails fails each of its samples with the span's error."""
 
-    def __init__(self, reader: ShardReader, info: ShardInfo, url: str,
-                 wanted: list[tuple[ShardInfo, str, list[tuple[int, int, Members | None]]]],
-                 items: list[tuple[int, int, tuple[int, int, Members | None]]], futures: list[concurrent.futures.Future],
-                 downloads: bool) -> None:
-        """`wanted`: each sample's (shard, key, ranges); `items`: (sample, range number, range) of each range."""
-        self.reader, self.info, self.url, self.downloads = reader, info, url, downloads
-        self.wanted, self.items, self.futures = wanted, items, futures
-        self.pieces: list[list[Any]] = [[None] * len(ranges) for _, _, ranges in wanted]
-        self.left = [len(ranges) for _, _, ranges in wanted]  # ranges still to come of each sample (-1: failed)
+    def __init__(self, way: Way, samples: list[Located], futures: list[concurrent.futures.Future[Pieces]],
+                 items: list[tuple[int, int, tuple[int, int, Members | None]]]) -> None:
+        """`items`: (sample, range number, range) of each range to read."""
+        self.way, self.futures, self.items = way, futures, items
+        self.pieces: list[list[Any]] = [[None] * len(s.ranges) for s in samples]
+        self.left = [len(s.ranges) for s in samples]  # ranges still to come of each sample (-1: failed)
         self.lock = threading.Lock()
 
     def read(self, first: int, last: int, members: list[int]) -> None:
         """Read bytes [first, last), the ranges `members` (numbers in `items`)."""
-        info, items = self.info, self.items
+        items = self.items
         try:
-            data = memoryview(self.reader.read(info.name, info.bytes, info.sha256, first, last, None, self.downloads))
+            data = memoryview(self.way.read(first, last))
         except Exception as exc:
             for i in dict.fromkeys(items[m][0] for m in members):
                 with self.lock:
                     first_failure, self.left[i] = self.left[i] >= 0, -1  # (its other spans then set nothing)
-                if first_failure:
-                    error = ShardError(f"sample {self.wanted[i][1]!r}: "
-                                       f"{exc.message if isinstance(exc, ShardError) else describe(exc)}", url=self.url)
+                if first_failure:  # (an error of its own for each sample: each is named by its key)
+                    error = ShardError(exc.message if isinstance(exc, ShardError) else describe(exc), url=self.way.url)
                     error.__cause__ = exc
                     self.futures[i].set_exception(error)
             return
@@ -187,171 +176,129 @@ class SampleReads:
         self.clock = clock or Clock(("read", "open"))
         self.pool = concurrent.futures.ThreadPoolExecutor(config.read_threads, thread_name_prefix="shardstream-read")
         self.on_error = config.on_error
-        self.sized: dict[tuple[int, int], concurrent.futures.Future[None]] = {}  # shards' size checks
-        self.inflight: dict[Where, concurrent.futures.Future[list[tuple[int, bytes | memoryview, Members | None]]]] = {}
+        self.sized: dict[str, concurrent.futures.Future[None]] = {}  # shards' size checks, by URL
+        self.inflight: dict[Where, concurrent.futures.Future[Pieces]] = {}
         self.taken: dict[Where, list[bytes | memoryview]] = {}  # taken and not kept open: released when `done`
         self.amplification = config.read_amplification
-        self.downloads = True  # into the shard cache (False: the reads of the first batch, until `start_downloads`)
         self.spanned = [config.read_ahead_bytes > 0 and not is_local(r.fs) for r in readers]  # by source
 
     def close(self) -> None:
         if not sys.is_finalizing():  # (an iterator left open at exit: the interpreter ends the threads itself)
             self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def unit_starts(self, number: int, shards: list[int]) -> dict[int, np.ndarray]:
-        """The first unit of each sample of these shards of source `number`, from their indexes
-        (fetched at the same time when not held yet)."""
-        source, reader = self.sources[number], self.readers[number]
-        missing = [source.split[i] for i in shards if not reader.holds_index(source.split.names[i])]
+    def indexes(self, number: int, shards: list[int]) -> dict[int, ShardIndex]:
+        """The indexes of these shards of source `number` (those not held yet fetched at the same time)."""
+        split, reader = self.sources[number].split, self.readers[number]
+        missing = [split[i] for i in shards if not reader.holds_index(split.names[i])]
         if len(missing) > 1:
             list(self.pool.map(reader.index, missing))
-        return {i: reader.index(source.split[i]).unit_starts for i in shards}
+        return {i: reader.index(split[i]) for i in shards}
 
-    def ahead(self, wheres: list[Where]) -> None:
+    def ahead(self, samples: list[Located]) -> None:
         """Ask for these samples' bytes, but for those open or asked for already; from object storage,
         those of one shard together (`_read_spans`)."""
-        by_shard: dict[tuple[int, int], list[Where]] = {}
-        for where in dict.fromkeys(wheres):
-            if where in self.opened or where in self.inflight:
+        by_shard: dict[tuple[int, str], list[Located]] = {}
+        for sample in samples:
+            if sample.where in self.opened or sample.where in self.inflight:
                 continue
-            if not self.spanned[where[0]]:
-                self._submit(where)
-                continue
-            shard = self._check(where)
-            by_shard.setdefault((where[0], shard), []).append(where)
+            self._check_size(sample)
+            if self.spanned[sample.where[0]]:
+                by_shard.setdefault((sample.where[0], sample.shard.name), []).append(sample)
+            else:
+                self.inflight[sample.where] = self.pool.submit(self._read, sample)
         for group in by_shard.values():
-            futures = [concurrent.futures.Future() for _ in group]
-            self.inflight.update(zip(group, futures))
+            futures: list[concurrent.futures.Future[Pieces]] = [concurrent.futures.Future() for _ in group]
+            self.inflight.update((s.where, f) for s, f in zip(group, futures))
             self.pool.submit(self._read_spans, group, futures)
 
-    def _check(self, where: Where) -> int:
-        """The sample's shard, its size checked the first time in this iteration: a shard replaced or cut
+    def _way(self, sample: Located) -> Way:
+        return self.readers[sample.where[0]].way(sample.shard)
+
+    def _check_size(self, sample: Located) -> None:
+        """The sample's shard's size checked, the first time in this iteration: a shard replaced or cut
         since packing is named before any of its samples is used (a shard the cache holds was checked
-        whole: its SHA-256; a client whose answers say the size checks it on each read)."""
-        number, sample = where
-        shard, _ = self.sources[number].where(sample)
-        if (number, shard) not in self.sized:
-            reader, split = self.readers[number], self.sources[number].split
-            checked = reader.reads_check_size(split.names[shard]) or \
-                (reader.cache is not None and reader.cache.holds(split.sha256[shard]))
-            self.sized[(number, shard)] = _CHECKED if checked else self.pool.submit(self._check_size, number, sample)
-        return shard
+        whole: its SHA-256; a way whose reads say the size checks it on each read)."""
+        if sample.url not in self.sized:
+            self.sized[sample.url] = self.pool.submit(self._size_is, sample)
 
-    def _submit(self, where: Where) -> None:
-        """Ask for one sample's bytes (and for its shard's size: `_check`)."""
-        self._check(where)
-        self.inflight[where] = self.pool.submit(self._read, where)
+    def _size_is(self, sample: Located) -> None:
+        way = self._way(sample)
+        if not way.checks_size() and (size := way.size()) != sample.shard.bytes:
+            raise ShardError(f"shard is {size} bytes, the manifest says {sample.shard.bytes}", url=sample.url)
 
-    def _sample(self, where: Where) -> tuple[int, ShardInfo, ShardIndex, int]:
-        """(shard number, the shard, its index, the sample's place in it)."""
-        source = self.sources[where[0]]
-        shard, at = source.where(where[1])
-        info = source.split[shard]
-        return shard, info, self.readers[where[0]].index(info), at
-
-    def _check_size(self, number: int, sample: int) -> None:
-        _, info, index, at = self._sample((number, sample))
-        size = self.readers[number].size(info.name, index.key(at))
-        if size != info.bytes:
-            raise ShardError(f"sample {index.key(at)!r}: shard is {size} "
-                             f"bytes, the manifest says {info.bytes}",
-                             url=shard_url(self.sources[number].root, info.name))
-
-    def _ranges(self, where: Where) -> tuple[ShardInfo, str, list[tuple[int, int, Members | None]]]:
-        """(the shard, the sample's key, the byte ranges that read it: a range per run of its members
-        (`member_ranges`), each with its members, or None for an index without members, then one range)."""
-        _, info, index, at = self._sample(where)
-        key, url = index.key(at), shard_url(self.sources[where[0]].root, info.name)
-        members = index.sample_members(at) if index.members is not None else None
-        if members is not None and len(members) > self.limits.max_members:
-            raise ShardError(f"sample {key!r}: more than {self.limits.max_members} members", url=url)
-        ranges = member_ranges(members) if members is not None else [(*index.span(at), None)]
-        size = sum(end - start for start, end, _ in ranges)
-        if size > self.limits.max_sample_bytes:
-            raise ShardError(f"sample {key!r} spans {size} bytes, more than max_sample_bytes="
-                             f"{self.limits.max_sample_bytes}", url=url)
-        return info, key, ranges
-
-    def _read(self, where: Where) -> list[tuple[int, bytes | memoryview, Members | None]]:
+    def _read(self, sample: Located) -> Pieces:
         """One sample's bytes (in a reader thread), a request per range: (start, bytes, its members) each."""
-        info, key, ranges = self._ranges(where)
-        reader = self.readers[where[0]]
-        return [(start, reader.read(info.name, info.bytes, info.sha256, start, end, key, self.downloads), group)
-                for start, end, group in ranges]
+        way = self._way(checked(sample, self.limits))
+        return [(start, way.read(start, end), group) for start, end, group in sample.ranges]
 
-    def _read_spans(self, wheres: list[Where], futures: list[concurrent.futures.Future]) -> None:
+    def _read_spans(self, samples: list[Located], futures: list[concurrent.futures.Future[Pieces]]) -> None:
         """Samples of one shard (in a reader thread): their ranges merged into spans (`merge_spans`),
         each read by one request in a thread of its own, each sample's future set once all its ranges
-        arrived. A span that fails fails each of its samples, by its own key, with the span's error."""
+        arrived."""
         try:
-            _, info, _, _ = self._sample(wheres[0])  # (the shard's index, fetched once for all)
+            way = self._way(samples[0])
         except Exception as exc:
             for future in futures:
                 future.set_exception(exc)
             return
-        wanted: list[tuple[ShardInfo, str, list[tuple[int, int, Members | None]]]] = []
-        items = []  # (sample, range number, range) of each range of each sample whose ranges pass the checks
-        for i, (where, future) in enumerate(zip(wheres, futures)):
+        items = []  # (sample, range number, range) of each range of each sample within the limits
+        for i, (sample, future) in enumerate(zip(samples, futures)):
             try:
-                wanted.append(self._ranges(where))
-            except Exception as exc:
+                items += [(i, j, r) for j, r in enumerate(checked(sample, self.limits).ranges)]
+            except ShardError as exc:
                 future.set_exception(exc)
-                wanted.append((None, "", []))  # type: ignore[arg-type]
-            items += [(i, j, r) for j, r in enumerate(wanted[-1][2])]
-        spans = _Spans(self.readers[wheres[0][0]], info, shard_url(self.sources[wheres[0][0]].root, info.name),
-                       wanted, items, futures, self.downloads)
+        spans = _Spans(way, samples, futures, items)
         for first, last, members in merge_spans([r[:2] for _, _, r in items], self.amplification):
             self.pool.submit(spans.read, first, last, members)
 
-    def take(self, where: Where) -> tuple[Any, str, str]:
-        """(the opened sample, its shard's URL, its key); a sample of several units is opened once and
-        kept (LRU, by bytes) for the rest."""
-        opened = self.opened
+    def take(self, sample: Located) -> Any:
+        """The opened sample; one of several units is opened once and kept (LRU, by bytes) for the rest.
+        Its errors name it (`about_sample`)."""
+        where, opened = sample.where, self.opened
         if where in opened:
             opened.move_to_end(where)
-            sample, _, url, key = opened[where]
-            return sample, url, key
-        number = where[0]
-        source = self.sources[number]
-        shard, info, index, at = self._sample(where)
-        url, key = shard_url(source.root, info.name), index.key(at)
-        if where not in self.inflight:  # (dropped from the open samples since its read was asked for)
-            self._submit(where)
-        future = self.inflight.pop(where)
-        self.clock.mark()
-        if (number, shard) in self.sized:
-            self.sized[(number, shard)].result()
-        pieces = future.result()
-        self.clock.split("read")
-        units, members = int(index.units[at]), {}
-        for start, data, group in pieces:  # (members checked where the index says)
-            members.update(parse_sample(data, url, key, self.limits, group, start))
-        sample = self.open(members, url, key, units)
-        self.clock.split("open")
-        if units > 1 and source.by_units:
+            return opened[where][0]
+        with about_sample(sample.url, sample.key):
+            if where not in self.inflight:  # (dropped from the open samples since its read was asked for)
+                self.ahead([sample])
+            future = self.inflight.pop(where)
+            self.clock.mark()
+            self.sized[sample.url].result()
+            pieces = future.result()
+            self.clock.split("read")
+            members: dict[str, Any] = {}
+            for start, data, group in pieces:  # (members checked where the index says)
+                members.update(parse_sample(data, sample.url, sample.key, self.limits, group, start))
+            opened_sample = self.open(members, sample.url, sample.key, sample.units)
+            self.clock.split("open")
+        if sample.units > 1 and self.sources[where[0]].by_units:
             # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
-            held = sum(len(data) for _, data, _ in pieces if isinstance(data, bytes))
-            opened.keep(where, (sample, held, url, key))
+            opened.keep(where, (opened_sample, sum(len(data) for _, data, _ in pieces if isinstance(data, bytes))))
         else:
             self.taken[where] = [data for _, data, _ in pieces]
-        return sample, url, key
+        return opened_sample
 
-    def done(self, where: Where) -> None:
+    def done(self, sample: Located) -> None:
         """A sample taken is decoded: its mapped pages leave this process's memory (`release_pages`)."""
-        for data in self.taken.pop(where, ()):
+        for data in self.taken.pop(sample.where, ()):
             release_pages(data)
 
-    def start_downloads(self) -> None:
-        self.downloads = True
+    def hold_downloads(self) -> None:
+        """New downloads into the shard cache wait for `start_downloads` (reads go by range meanwhile)."""
         for reader in self.readers:
-            reader.start_downloads()
+            if reader.downloads is not None:
+                reader.downloads.held = True
+
+    def start_downloads(self) -> None:
+        for reader in self.readers:
+            if reader.downloads is not None:
+                reader.downloads.start_held()
 
     def settle(self) -> None:
         """The end of an iteration: the shard cache's downloads finished. One that found another object
         than its shard (`cache.Mismatch`) raises with on_error="raise" (samples of it were used before
         its check ended), else is logged as an error."""
-        self.start_downloads()  # (an epoch of one batch)
-        mismatched = [exc for reader in self.readers for exc in reader.settle()]
+        mismatched = [exc for reader in self.readers if reader.downloads for exc in reader.downloads.settle()]
         for exc in mismatched[1:] if self.on_error == "raise" else mismatched:
             log.error("%s; samples read from it before its download was checked were used", exc)
         if mismatched and self.on_error == "raise":

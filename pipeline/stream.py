@@ -1,16 +1,15 @@
 """The stream: a torch IterableDataset yielding one worker's batches of a split for the epoch in
-`EpochState`, as a chain of stages: plan -> read (`pipeline.read`) -> open/decode (the kind) ->
-collate (into buffers lent back by the main process). Errors of ours in a worker travel back as
+`EpochState`, as a chain of stages: plan -> schedule (`pipeline.schedule`: locate, read ahead) ->
+read (`pipeline.read`) -> decode (`pipeline.decoding`, the kind's) -> collate (into buffers lent back
+by the main process). Errors of ours in a worker travel back as
 values (torch would re-raise them as a bare RuntimeError); with on_error="skip" a bad sample is
 left out, within the skip budget."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,18 +18,16 @@ from torch.utils.data import IterableDataset, get_worker_info
 from pipeline.decoding import Decoder
 from pipeline.config import LoaderConfig
 from pipeline.errors import ConfigError, ShardError, ShardstreamError
-from pipeline.index import SplitIndex, Where
+from pipeline.index import SplitIndex
 from pipeline.kinds import Kind
 from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_batch_count, rank_sample_count
 from pipeline.read import ProcessReaders, SampleReads
 from pipeline.position import Place, Position, hand_over
+from pipeline.schedule import FirstOut, Schedule
 from pipeline.state import EpochState
 from pipeline.stats import Clock, WorkerTable
 
-__all__ = ["ShardStream", "WorkerError", "begin", "release"]
-
-FIRST_OUT_WAIT = 10.0  # seconds a worker's read-ahead waits at most for the first batch to be handed over
-_CHUNK_ITEMS = 8192  # items whose reads are asked for at once from object storage, at most (see `_chunks`)
+__all__ = ["ShardStream", "WorkerError"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +57,7 @@ class ShardStream(IterableDataset):
         # the manifest's SHA-256, shared so that a shard is hashed by one worker only.
         verified = torch.zeros(sum(len(s.split) for s in sources), 3, dtype=torch.int64).share_memory_() \
             if config.verify == "sha256" else None
-        # The first-batch gate (`begin`, `release`): the iteration a StreamLoader last began, and the last
-        # whose first batch has reached the main process; a worker's read-ahead waits for its own.
-        self.gate = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self.first_out: FirstOut | None = None  # a StreamLoader's (`make_stream_loader` sets it)
         self.finished, self.flatten, self.split_workers = finished, flatten, split_workers
         self.decoder = Decoder(sources, kind, config, self.skipped)  # (its `leases`: set by make_stream_loader)
         self.readers = ProcessReaders(sources, config, verified)
@@ -144,9 +139,10 @@ class ShardStream(IterableDataset):
         if world.num_workers > self.skipped.shape[1]:
             raise ConfigError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
                               f"({self.skipped.shape[1]}); pass max_workers")
-        return self._yield(world, self.place.start(self._fresh(), self.state, self.batches), int(self.gate[0]))
+        ticket = None if self.first_out is None else (self.first_out, self.first_out.current())
+        return self._yield(world, self.place.start(self._fresh(), self.state, self.batches), ticket)
 
-    def _yield(self, world: World, position: Position, ticket: int) -> Iterator[Any]:
+    def _yield(self, world: World, position: Position, ticket: tuple[FirstOut, int] | None) -> Iterator[Any]:
         """The iteration's batches or samples from `position` on, which it keeps up to date."""
         info = get_worker_info() if self.split_workers else None
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
@@ -182,11 +178,10 @@ class ShardStream(IterableDataset):
                 return
             yield self.kind.finish(batch) if self.finished else batch
 
-    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...], clock: Clock, ticket: int,
-                 start: int = 0, rows: int = 0) -> Iterator[tuple[Any, int]]:
-        """plan -> read (`read_ahead` batches ahead of decoding) -> open/decode -> collate: (batch, its
-        samples), from the plan's batch `start` on, less the first `rows` samples of that one; the
-        read-ahead after the first batch held until iteration `ticket`'s first batch is out."""
+    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...], clock: Clock,
+                 ticket: tuple[FirstOut, int] | None, start: int = 0, rows: int = 0) -> Iterator[tuple[Any, int]]:
+        """plan -> schedule (locate, read ahead) -> decode -> collate: (batch, its samples), from the
+        plan's batch `start` on, less the first `rows` samples of that one."""
         cfg = self.config
         budget = cfg.max_errors  # skips allowed in this iteration of the rank
         if isinstance(budget, float):
@@ -196,77 +191,18 @@ class ShardStream(IterableDataset):
                           history=history)
         readers, opened = self.readers.get()
         reads = SampleReads(self.sources, readers, opened, cfg, self.decoder.open, clock)
-        prepared: dict[int, list[tuple[Where, Any]]] = {}
-        chunks = _chunks(cfg, self.sources, len(plan), any(reads.spanned))
-        asked, last = start, start  # batches asked for; the first batch of the last chunk asked for
-        # From object storage, the first batch's reads alone, by range (not from the shard cache's downloads);
-        # read-ahead and downloads begin with the second batch (they would compete with them).
-        reads.downloads = chunks is None
         try:
-            for i in range(start, len(plan)):
-                batch, _, items = plan[i]
-                if i == start + 1:
-                    _wait_first_out(self.gate, ticket)
-                    reads.start_downloads()
-                ahead = cfg.read_ahead if i > start or not chunks else 0
-                while asked < len(plan) and (asked <= i + ahead or (chunks and ahead and i >= last)):
-                    last, wheres = asked, []
-                    for later in range(asked, min(asked + (next(chunks) if chunks else 1), len(plan))):
-                        sources, ids = plan[later][1:]
-                        cut = rows if later == start else 0
-                        more, prepared[later] = self.decoder.prepare(reads, sources[cut:], ids[cut:])
-                        wheres += more
-                        asked += 1
-                    reads.ahead(wheres)
+            for batch, items, work in Schedule(self.kind.grouped, cfg, plan, reads, ticket, start, rows):
                 with clock.stage("decode"):  # (the reads' waits and opens in it are theirs: `LoaderStats.of`)
-                    pieces, lost = self.decoder.decode(reads, prepared.pop(i), epoch, world.worker, budget, clock)
-                if not pieces and len(items) > (rows if i == start else 0):
-                    raise ShardError(f"all {len(items)} samples of batch {batch} failed; ranks "
+                    pieces, lost = self.decoder.decode(reads, work, epoch, world.worker, budget, clock)
+                if not pieces and items:
+                    raise ShardError(f"all {items} samples of batch {batch} failed; ranks "
                                      "cannot stay in step", url=self.sources[0].root)
                 if not pieces:  # (resumed after the last row of a batch)
                     continue
                 with clock.stage("collate"):
                     collated = self.decoder.collate(pieces, world.worker, epoch)
-                yield collated, len(items) - (rows if i == start else 0) - lost
+                yield collated, items - lost
             reads.settle()
         finally:
             reads.close()
-
-
-def _chunks(cfg: LoaderConfig, sources: Sequence[SplitIndex], batches: int, spanned: bool) -> Iterator[int] | None:
-    """From object storage: how many batches each request for reads covers, so that spans merge many
-    samples: the first batch alone (it waits for its own samples only), then each time what fits
-    twice (one chunk in use, the next in flight) in `read_ahead_bytes` after `read_amplification`,
-    by the sources' mean bytes per item, and at most `_CHUNK_ITEMS` items (small items: the plan's
-    work per chunk stays small). None: one batch at a time, `read_ahead` ahead. (Chunks of 1, 2, 4,
-    ... batches made twice the requests, and were slower: 207 against 107 requests in `make
-    bench-s3`'s epoch of 256 samples, 16 a shard.)"""
-    if not spanned:
-        return None
-    item = sum(int(s.split.shard_bytes.sum()) for s in sources) / max(1, sum(int(s.sizes.sum()) for s in sources))
-    most = max(1, min(_CHUNK_ITEMS // cfg.batch_size,
-                      int(cfg.read_ahead_bytes / (2 * cfg.read_amplification * cfg.batch_size * max(item, 1)))))
-    return itertools.chain([1], itertools.repeat(min(most, batches)))
-
-
-def begin(gate: torch.Tensor) -> int:
-    """In the main process, before asking the workers for an iteration: its ticket."""
-    gate[0] += 1
-    return int(gate[0])
-
-
-def release(gate: torch.Tensor, ticket: int) -> None:
-    """In the main process: iteration `ticket`'s first batch is out (or the iteration ended)."""
-    if gate[1] < ticket:
-        gate[1] = ticket
-
-
-def _wait_first_out(gate: torch.Tensor, ticket: int) -> None:
-    """Wait (up to `FIRST_OUT_WAIT` seconds) until iteration `ticket`'s first batch has reached the
-    main process: read-ahead and cache downloads would take the cores and the network from it (from
-    its decoding in another worker, from its hand-over in this one). An iteration's own ticket: a
-    worker still busy with an iteration left after its first batch (`validate_first_batch`) must not
-    wait for the next one's, which the main process cannot begin until that worker is done."""
-    deadline = time.monotonic() + FIRST_OUT_WAIT
-    while gate[1] < ticket and time.monotonic() < deadline:
-        time.sleep(0.002)

@@ -124,15 +124,15 @@ def parse_sample(data: bytes | memoryview, url: str, key: str, limits: ReadLimit
     return {ext: view[at + BLOCK : at + BLOCK + size] for ext, at, size in found}
 
 
-def _header_size(header: bytes, url: str, pos: int, prefix: str, hint: str = "") -> int:
+def _header_size(header: bytes, url: str, pos: int, prefix: str, hint: str = "", key: str | None = None) -> int:
     """A tar header's size field, its octal fields and checksum checked; else a ShardError naming byte
     `pos` (and never quoting the header: it may be any file's bytes)."""
     try:
         checksum, size = _octal(header[148:156], "checksum"), _octal(header[124:136], "size")
     except ValueError as exc:
-        raise ShardError(f"{prefix}invalid tar header at byte {pos}{hint}: {exc}", url=url) from exc
+        raise ShardError(f"{prefix}invalid tar header at byte {pos}{hint}: {exc}", url=url, key=key) from exc
     if checksum != sum(header[:148]) + 256 + sum(header[156:]):
-        raise ShardError(f"{prefix}tar header checksum mismatch at byte {pos}{hint}", url=url)
+        raise ShardError(f"{prefix}tar header checksum mismatch at byte {pos}{hint}", url=url, key=key)
     return size
 
 
@@ -141,14 +141,14 @@ def _read_header(view: memoryview, pos: int, url: str, key: str) -> tuple[str, i
     never the header's own name (checked by the caller against the key)."""
     header = bytes(view[pos : pos + BLOCK])
     if len(header) < BLOCK:
-        raise ShardError(f"sample {key!r}: truncated tar header at byte {pos}", url=url)
-    size = _header_size(header, url, pos, f"sample {key!r}: ")
+        raise ShardError(f"truncated tar header at byte {pos}", url=url, key=key)
+    size = _header_size(header, url, pos, "", key=key)
     if header[156:157] not in (b"0", b"\0"):
-        raise ShardError(f"sample {key!r}: member type {excerpt(header[156:157])} at byte {pos} is not a regular file",
-                         url=url)
+        raise ShardError(f"member type {excerpt(header[156:157])} at byte {pos} is not a regular file",
+                         url=url, key=key)
     name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
     if header[345:500].strip(b"\0"):
-        raise ShardError(f"sample {key!r}: the member at byte {pos} has a ustar name prefix (a folder)", url=url)
+        raise ShardError(f"the member at byte {pos} has a ustar name prefix (a folder)", url=url, key=key)
     return name, size
 
 
@@ -161,17 +161,17 @@ def _recorded_members(view: memoryview, url: str, key: str, limits: ReadLimits,
     except ValueError as exc:
         raise ShardError(f"unsafe sample key in the index: {exc}", url=url) from exc
     if len(members) > limits.max_members:
-        raise ShardError(f"sample {key!r}: more than {limits.max_members} members", url=url)
+        raise ShardError(f"more than {limits.max_members} members", url=url, key=key)
     found = []
     for ext, offset, recorded in members:
         pos = offset - start
         name, size = _read_header(view, pos, url, key)
         if name not in (f"{key}.{ext}", f"./{key}.{ext}") or not _EXT_RE.fullmatch(ext):
-            raise ShardError(f"sample {key!r}: the member at byte {offset} is not named {key}.{excerpt(ext)[1:-1]}, "
-                             "as the index says", url=url)
+            raise ShardError(f"the member at byte {offset} is not named {key}.{excerpt(ext)[1:-1]}, "
+                             "as the index says", url=url, key=key)
         if size != recorded or size > limits.max_member_bytes or pos + BLOCK + size > len(view):
-            raise ShardError(f"sample {key!r}: member {key}.{ext} at byte {offset} claims {size} bytes, the index says "
-                             f"{recorded} (or beyond the cap or the sample's range)", url=url)
+            raise ShardError(f"member {key}.{ext} at byte {offset} claims {size} bytes, the index says "
+                             f"{recorded} (or beyond the cap or the sample's range)", url=url, key=key)
         found.append((ext, pos, size))
     return found
 
@@ -184,7 +184,7 @@ def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLim
     except ValueError as exc:
         raise ShardError(f"unsafe sample key in the index: {exc}", url=url) from exc
     if bytes(data[:2]) == b"\x1f\x8b":
-        raise ShardError(f"sample {key!r}: gzip-compressed data; only uncompressed tar shards are read", url=url)
+        raise ShardError(f"gzip-compressed data; only uncompressed tar shards are read", url=url, key=key)
     members: list[tuple[str, int, int]] = []
     view = memoryview(data)
     pos = 0
@@ -192,15 +192,15 @@ def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLim
         name, size = _read_header(view, pos, url, key)
         member_key, _, ext = name.partition(".")
         if member_key != key or not _EXT_RE.fullmatch(ext):
-            raise ShardError(f"sample {key!r}: the member at byte {pos} of the sample is not named {key}.<ext>",
-                             url=url)
+            raise ShardError(f"the member at byte {pos} of the sample is not named {key}.<ext>",
+                             url=url, key=key)
         shown = f"{key}.{excerpt(ext)[1:-1]}"
         if size > limits.max_member_bytes or pos + BLOCK + size > len(data):
-            raise ShardError(f"sample {key!r}: member {shown} claims {size} bytes, beyond the cap or the sample's range",
-                             url=url)
+            raise ShardError(f"member {shown} claims {size} bytes, beyond the cap or the sample's range",
+                             url=url, key=key)
         if any(e == ext for e, _, _ in members) or len(members) == limits.max_members:
-            raise ShardError(f"sample {key!r}: duplicate member {shown} or more than {limits.max_members} members",
-                             url=url)
+            raise ShardError(f"duplicate member {shown} or more than {limits.max_members} members",
+                             url=url, key=key)
         members.append((ext, pos, size))
         pos += BLOCK + size + (-size % BLOCK)
     return members

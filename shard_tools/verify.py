@@ -4,7 +4,6 @@ bring an older dataset to the current schema in place."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import os
@@ -16,7 +15,7 @@ from typing import IO, Any
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.errors import ShardError, ShardstreamError
+from pipeline.errors import ShardError, ShardstreamError, about_sample
 from pipeline.format import BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name
 from pipeline.kinds import KINDS, Kind
 from pipeline.stats import Clock
@@ -109,8 +108,7 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
                     continue
                 if sha256 != shard.sha256:
                     problems.append(f"{url}: SHA-256 {sha256}, the manifest says {shard.sha256}")
-                read = functools.partial(reader.read, shard.name, shard.bytes, shard.sha256) if copy is None else \
-                    _copied(copy, url)
+                read = reader.way(shard).read if copy is None else _copied(copy, url)
                 problems += _check_samples(read, url, index, kind, bar, packed)
                 if packed:  # (an original archive holds more than one split's samples, and other members)
                     problems += _check_end(read, url, shard, index)
@@ -140,18 +138,18 @@ def _download(shard: Ranged, size: int, copy: IO[bytes]) -> str:
     return digest.hexdigest()
 
 
-def _copied(copy: IO[bytes], url: str) -> Callable[[int, int, str], bytes]:
+def _copied(copy: IO[bytes], url: str) -> Callable[[int, int], bytes]:
     """Bytes [start, end) of a shard from its copy in a temporary file."""
-    def read(start: int, end: int, key: str) -> bytes:
+    def read(start: int, end: int) -> bytes:
         data = os.pread(copy.fileno(), end - start, start)
         if len(data) < end - start:
-            raise ShardError(f"sample {key!r}: shard is {os.fstat(copy.fileno()).st_size} bytes, shorter than the "
+            raise ShardError(f"shard is {os.fstat(copy.fileno()).st_size} bytes, shorter than the "
                              f"sample's range ({start}-{end})", url=url)
         return data
     return read
 
 
-def _check_samples(read: Callable[[int, int, str], bytes | memoryview], url: str, index: ShardIndex, kind: Kind | None,
+def _check_samples(read: Callable[[int, int], bytes | memoryview], url: str, index: ShardIndex, kind: Kind | None,
                    bar: Any, packed: bool) -> list[str]:
     """Each sample read by range and parsed at its index's members (an original archive's may lie
     apart; a `packed` shard's must fill its span, as packing wrote them), then decoded whole (kinds
@@ -162,7 +160,8 @@ def _check_samples(read: Callable[[int, int, str], bytes | memoryview], url: str
         key, (start, end) = index.key(i), index.span(i)
         recorded = index.sample_members(i) if index.members is not None else None
         try:
-            data = read(start, end, key)
+            with about_sample(url, key):
+                data = read(start, end)
             if packed:  # (a packed sample's members fill its span: walked, they must be the index's)
                 found = [(ext, start + at, size) for ext, at, size in sample_members(data, url, key)]
                 if recorded is not None and found != recorded:
@@ -181,12 +180,12 @@ def _check_samples(read: Callable[[int, int, str], bytes | memoryview], url: str
     return problems
 
 
-def _check_end(read: Callable[[int, int, str], bytes | memoryview], url: str, shard: ShardInfo,
+def _check_end(read: Callable[[int, int], bytes | memoryview], url: str, shard: ShardInfo,
                index: ShardIndex) -> list[str]:
     """A packed shard ends with a tar end-of-archive right after its last sample."""
     end = int(index.spans[-1, 1]) if index.samples else 0
     try:
-        tail = bytes(read(end, shard.bytes, "(end of archive)")) if shard.bytes >= end else b""
+        tail = bytes(read(end, shard.bytes)) if shard.bytes >= end else b""
     except ShardstreamError:
         tail = b""
     if len(tail) < 2 * BLOCK_BYTES or tail.strip(b"\0"):

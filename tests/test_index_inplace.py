@@ -205,7 +205,7 @@ def test_an_archive_changed_after_indexing_is_named(sa1b_src, tmp_path, capsys):
     jpg = next(m for m in _members(archive) if m.name.endswith(".jpg"))
     changed[jpg.offset_data + 100] ^= 0xFF
     archive.write_bytes(bytes(changed))
-    with pytest.raises(ShardError, match=r"sa_000000\.tar: content has SHA-256 .*, the manifest says"):
+    with pytest.raises(ShardError, match=r"sa_000000\.tar: sample 'sa_\d+': content has SHA-256 .*, the manifest says"):
         _by_key(str(out), verify="sha256")
     assert main(["-q", "verify", str(out)]) == 1 and "sa_000000.tar: SHA-256" in capsys.readouterr().out
     archive.unlink()

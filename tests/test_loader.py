@@ -22,7 +22,7 @@ from procs import alive, children
 from pycocotools import mask as mask_utils
 
 import pipeline.loader as loader_module
-import pipeline.stream as stream_module
+from pipeline.schedule import FirstOut
 from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
 from pipeline.format import Manifest
 from pipeline.rle import fit, nearest_index
@@ -245,16 +245,16 @@ def test_spawned_workers(sa1b_dataset):
 @pytest.mark.parametrize("workers", [0, 1, 2])
 @pytest.mark.parametrize("ahead", [False, True])
 def test_no_worker_waits_out_the_first_batch_wait(sa1b_dataset, monkeypatch, workers, ahead):
-    """Workers hold their read-ahead until the main process has the first batch (`_wait_first_out`);
-    however the batches are taken, that wait ends by the flag, never by its time bound (which
-    would cost 10 s), in each iteration of persistent workers. `ahead`: the CUDA stage's order, the next batch taken before this one is given
-    (here without a GPU), with one worker or none a wait on a flag nobody sets yet."""
-    wait = stream_module._wait_first_out
+    """Workers hold their read-ahead until the main process has the first batch (`FirstOut`);
+    however the batches are taken, that wait ends by the release, never by its time bound (which
+    would cost 10 s), in each iteration of persistent workers. `ahead`: the CUDA stage's order, the
+    next batch taken before this one is given (here without a GPU)."""
+    wait = FirstOut.wait
 
-    def strict(gate, ticket):
-        wait(gate, ticket)
-        if gate[1] < ticket:
-            raise AssertionError("a worker waited out FIRST_OUT_WAIT: the first batch's gate was never released")
+    def strict(self, ticket, timeout):
+        if not wait(self, ticket, 3.0):
+            raise AssertionError("a worker waited out its bound: the first batch's gate was never released")
+        return True
 
     def one_ahead(batches, device):  # (prefetch_to_cuda's order)
         pending = None
@@ -265,8 +265,7 @@ def test_no_worker_waits_out_the_first_batch_wait(sa1b_dataset, monkeypatch, wor
         if pending is not None:
             yield pending
 
-    monkeypatch.setattr(stream_module, "FIRST_OUT_WAIT", 3.0)
-    monkeypatch.setattr(stream_module, "_wait_first_out", strict)  # (forked workers inherit it)
+    monkeypatch.setattr(FirstOut, "wait", strict)  # (forked workers inherit it)
     loader = make_stream_loader(sa1b_dataset, "val", batch_size=1, num_workers=workers, **SMALL)
     if ahead:
         monkeypatch.setattr(loader_module, "prefetch_to_cuda", one_ahead)
@@ -282,17 +281,15 @@ def test_a_first_batch_taken_alone_does_not_hold_the_next_iteration(sa1b_dataset
     began must not wait for the next iteration's first batch: the main process waits for that
     worker to begin the next iteration (`make demo`'s epoch 0 took 10.2 s instead of 0.1). The gate
     is checked late on purpose here; a wait that runs into its bound is an error."""
-    waited, wait = tmp_path / "waited", stream_module._wait_first_out
+    waited, wait = tmp_path / "waited", FirstOut.wait
 
-    def late(*args):
+    def late(self, ticket, timeout):
         time.sleep(0.3)  # (the worker comes to the gate after the main process began the next iteration)
-        started = time.monotonic()
-        wait(*args)
-        if time.monotonic() - started >= stream_module.FIRST_OUT_WAIT:
-            waited.write_text("a worker waited out FIRST_OUT_WAIT")
+        if not wait(self, ticket, 3.0):
+            waited.write_text("a worker waited out its bound")
+        return True
 
-    monkeypatch.setattr(stream_module, "FIRST_OUT_WAIT", 3.0)
-    monkeypatch.setattr(stream_module, "_wait_first_out", late)  # (forked workers inherit it)
+    monkeypatch.setattr(FirstOut, "wait", late)  # (forked workers inherit it)
     loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, **SMALL)
     validate_first_batch(loader)
     reference = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, **SMALL)

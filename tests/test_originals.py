@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from pipeline import make_stream_loader
 from pipeline.errors import SampleError, ShardError
 from pipeline.kinds.sa1b import annotation_arrays
-from pipeline.read import MEMBER_GAP, member_ranges
+from pipeline.index import MEMBER_GAP, member_ranges
 from pipeline.tario import ReadLimits
 from shard_tools.index import index_sa1b
 from conftest import split_keys
@@ -97,7 +97,7 @@ def test_read_limits_apply_to_originals(originals):
     with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+': member sa_\d+\.jpg at byte \d+ claims \d+ bytes, "
                                          r"the index says \d+ \(or beyond the cap"):
         _batches(_loader(originals, limits=ReadLimits(max_member_bytes=1000)))
-    with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+' spans \d+ bytes, more than max_sample_bytes=2000"):
+    with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+': spans \d+ bytes, more than max_sample_bytes=2000"):
         _batches(_loader(originals, limits=ReadLimits(max_sample_bytes=2000)))
     with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+': more than 1 members"):
         _batches(_loader(originals, limits=ReadLimits(max_members=1)))

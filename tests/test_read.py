@@ -10,7 +10,7 @@ import pytest
 
 from pipeline import LoaderConfig, ShardError
 from pipeline.format import EMB_DATA, EMB_TABLE
-from pipeline.index import SplitIndex
+from pipeline.index import SplitIndex, resolve
 from pipeline.read import Opened, ProcessReaders, SampleReads, merge_spans
 from pipeline.storage import read_manifest
 from pipeline.tario import ReadLimits
@@ -41,26 +41,34 @@ def _reads(blocks, **settings):
     return SampleReads(sources, readers, opened, config, open_), opened_log
 
 
+def _located(reads, samples):
+    """The samples' locations, their shards' indexes fetched together (as `schedule.Schedule` does)."""
+    source = reads.sources[0]
+    indexes = reads.indexes(0, sorted({source.where(s)[0] for s in samples}))
+    return [resolve(source, (0, s), indexes) for s in samples]
+
+
 def test_samples_are_read_ahead_opened_once_and_kept(blocks):
     reads, opened_log = _reads(blocks)
-    samples = int(blocks[1].splits["train"].samples)
+    samples = _located(reads, range(int(blocks[1].splits["train"].samples)))
     try:
-        reads.ahead([(0, s) for s in range(samples)])
-        for s in list(range(samples)) * 2:  # the second pass comes from the open samples
-            (members, units), url, key = reads.take((0, s))
+        reads.ahead(samples)
+        for sample in samples * 2:  # the second pass comes from the open samples
+            members, units = reads.take(sample)
             assert members == sorted([EMB_DATA, EMB_TABLE])
-            assert units == 4 and url.endswith(".tar")
-        assert len(opened_log) == samples and len(reads.opened) == samples
-        assert reads.unit_starts(0, [0]) == {0: reads.readers[0].index(blocks[1].splits["train"][0]).unit_starts}
+            assert units == 4 and sample.url.endswith(".tar")
+        assert opened_log == [s.key for s in samples] and len(reads.opened) == len(samples)
     finally:
         reads.close()
 
 
 def test_a_sample_over_the_size_limit_is_named(blocks):
     reads, _ = _reads(blocks, limits=ReadLimits(max_sample_bytes=64))
+    sample, = _located(reads, [0])
     try:
-        with pytest.raises(ShardError, match="more than max_sample_bytes=64"):
-            reads.take((0, 0))
+        with pytest.raises(ShardError, match=rf"{sample.url}: sample '{sample.key}': spans \d+ bytes, "
+                                             "more than max_sample_bytes=64"):
+            reads.take(sample)
     finally:
         reads.close()
 
@@ -68,7 +76,7 @@ def test_a_sample_over_the_size_limit_is_named(blocks):
 def test_open_samples_are_dropped_past_their_bytes():
     opened = Opened(limit=10)
     for i, size in enumerate([4, 4, 4, 20]):
-        opened.keep((0, i), (i, size, "url", f"k{i}"))
+        opened.keep((0, i), (i, size))
         if i == 2:
             assert list(opened) == [(0, 1), (0, 2)] and opened.held == 8
     assert list(opened) == [(0, 3)] and opened.held == 20  # the newest stays, whatever its size

@@ -11,10 +11,6 @@ UNITS = [[2, 1], [1, 3]]
 STARTS = {0: np.array([0, 2]), 1: np.array([0, 1])}
 
 
-def starts(shards):
-    return {i: STARTS[i] for i in shards}
-
-
 def _index(by_units: bool) -> SplitIndex:
     sizes = np.array([sum(u) if by_units else len(u) for u in UNITS])
     counts = np.array([len(u) for u in UNITS])
@@ -23,16 +19,16 @@ def _index(by_units: bool) -> SplitIndex:
 
 
 def test_locate_maps_units_to_samples_across_shards():
-    samples, units = locate(_index(True), np.arange(7), starts)
+    samples, units = locate(_index(True), np.arange(7), STARTS)
     assert samples.tolist() == [0, 0, 1, 2, 3, 3, 3]
     assert units.tolist() == [0, 1, 0, 0, 0, 1, 2]
-    samples, units = locate(_index(True), np.array([6, 0, 4]), starts)  # any order, any subset
+    samples, units = locate(_index(True), np.array([6, 0, 4]), STARTS)  # any order, any subset
     assert samples.tolist() == [3, 0, 3] and units.tolist() == [2, 0, 0]
 
 
 def test_locate_by_samples_needs_no_shard_index():
     index = _index(False)
-    samples, units = locate(index, np.array([3, 1, 2]), lambda shards: {})
+    samples, units = locate(index, np.array([3, 1, 2]), {})
     assert samples.tolist() == [3, 1, 2] and units.tolist() == [0, 0, 0]
     assert index.where(3) == (1, 1) and index.shards_of(np.array([0, 2, 3])).tolist() == [0, 1, 1]
 

@@ -30,7 +30,7 @@ from objectstore import FaultProxy
 
 from pipeline import make_stream_loader, storage
 from pipeline.config import LoaderConfig
-from pipeline.errors import ManifestError, ShardError
+from pipeline.errors import ManifestError, ShardError, about_sample
 from pipeline.format import Manifest
 from pipeline.storage import Retry, filesystem, read_range
 from pipeline.storage.ranged import ranged_reader
@@ -496,7 +496,7 @@ def test_verify_sha256_names_a_shard_changed_at_the_same_size(sa1b_dataset, tmp_
     (root / "replacement").write_bytes(bytes(data))
     os.replace(root / "replacement", root / shard.name)
     assert len(list(make_stream_loader(str(root), "train", **options))) == len(clean), "the size check cannot see it"
-    with pytest.raises(ShardError, match=rf"{shard.name}: content has SHA-256 [0-9a-f]{{64}}, the manifest says "
+    with pytest.raises(ShardError, match=rf"{shard.name}: sample 'sa_\d+': content has SHA-256 [0-9a-f]{{64}}, the manifest says "
                                          rf"{shard.sha256}"):
         list(make_stream_loader(str(root), "train", verify="sha256", **options))
     with pytest.raises(ValueError, match="verify must be 'size' or 'sha256'"):
@@ -507,6 +507,7 @@ _FORK_WHILE_HASHING = """
 import hashlib, os, sys, threading
 import numpy as np
 from pipeline import make_stream_loader
+from pipeline.format import ShardInfo
 from pipeline.storage import Retry, ShardReader
 root, name, size, sha256 = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 parent, gate, hashing, plain = os.getpid(), threading.Event(), threading.Event(), hashlib.sha256
@@ -524,7 +525,8 @@ class Held:  # the first loader's hash of the shard, held (in this process only)
 
 hashlib.sha256 = Held
 reader = ShardReader(root, None, Retry(), verified=(np.zeros((1, 3), np.int64), [name]))
-threading.Thread(target=reader.read, args=(name, size, sha256, 0, 512, None)).start()
+way = reader.way(ShardInfo(name, 1, 1, size, sha256, None))
+threading.Thread(target=way.read, args=(0, 512)).start()
 assert hashing.wait(30)  # this process holds the lock of the shard it is hashing
 loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, verify="sha256", multiprocessing_context="fork",
                             image_size=32, mask_size=8, max_masks=2)
@@ -724,12 +726,13 @@ def _rss_file_kb() -> int:
 def test_a_released_mapped_sample_leaves_resident_memory(tmp_path):
     """Pages of a mapped shard that a sample touched count in the process's RSS until released;
     released, they leave it (the page cache keeps them) and read back the same bytes."""
+    from pipeline.format import ShardInfo
     from pipeline.storage import Retry, ShardReader, release_pages
 
     data = np.random.default_rng(0).integers(0, 256, 48 << 20, dtype=np.uint8).tobytes()
     (tmp_path / "s.tar").write_bytes(data)
     reader = ShardReader(str(tmp_path), None, Retry())
-    view = reader.read("s.tar", len(data), "0" * 64, 4096, len(data) - 4096, "k")
+    view = reader.way(ShardInfo("s.tar", 1, 1, len(data), "0" * 64, None)).read(4096, len(data) - 4096)
     if not isinstance(view, memoryview):
         pytest.skip("no read lease here: shards are read by copy")
     before = _rss_file_kb()
@@ -861,7 +864,7 @@ def test_slowdown_on_the_lean_client_backs_off_with_jitter_for_exact_tries(remot
     waits = [retry.delay(n) for n in (1, 2, 3)]  # what the seeded jitter makes of 0.1, 0.2, 0.25 s
     assert all(abs(wait / bare - 1) > 0.05 for wait, bare in zip(waits, (0.1, 0.2, 0.25))), waits
     random.seed(23)
-    assert reader.read(start, end, index.key(1)) == pathlib.Path(sa1b_dataset, shard.name).read_bytes()[start:end]
+    assert reader.read(start, end) == pathlib.Path(sa1b_dataset, shard.name).read_bytes()[start:end]
     gets = proxy.gets()
     assert [r.fault for r in gets] == ["slowdown"] * 3 + [None] and {r.headers["range"] for r in gets} == \
         {f"bytes={start}-{end - 1}"}
@@ -869,9 +872,9 @@ def test_slowdown_on_the_lean_client_backs_off_with_jitter_for_exact_tries(remot
         assert wait <= gap < wait + 0.25, (gap, wait)  # each retry after its own backoff, no extra tries
     proxy.clear()
     proxy.fault("slowdown", count=1000)
-    with pytest.raises(ShardError, match=rf"sample '{index.key(1)}': cannot read bytes {start}-{end} after 4 tries: "
+    with pytest.raises(ShardError, match=rf"{shard.name}: cannot read bytes {start}-{end} after 4 tries: "
                                          r"S3Error: 503 SlowDown: Please reduce your request rate\."):
-        reader.read(start, end, index.key(1))
+        reader.read(start, end)
     assert proxy.served("slowdown") == len(proxy.requests) == 4
 
 
@@ -895,13 +898,15 @@ def test_refused_credentials_fail_at_once_naming_the_shard_and_sample(remote, sa
     try:
         for options, said in [(storage_options(server.endpoint, secret="wrong"), "403 SignatureDoesNotMatch"),
                               (storage_options(expired.endpoint), "400 ExpiredToken: The provided token has expired")]:
-            reader = storage.ShardReader(remote, options, FAST)
-            with pytest.raises(ShardError, match=rf"{remote}/{shard.name}: sample '{index.key(0)}': cannot read bytes "
+            way = storage.ShardReader(remote, options, FAST).way(shard)
+            url = f"{remote}/{shard.name}"
+            with pytest.raises(ShardError, match=rf"{url}: sample '{index.key(0)}': cannot read bytes "
                                                  rf"{start}-{end}: PermissionError: {said}"):  # (no "after 4 tries")
-                reader.read(shard.name, shard.bytes, shard.sha256, start, end, index.key(0))
-            with pytest.raises(ShardError, match=rf"sample '{index.key(0)}': cannot stat shard: (PermissionError: 403 "
+                with about_sample(url, index.key(0)):  # (as the read stage names what it reads)
+                    way.read(start, end)
+            with pytest.raises(ShardError, match=rf"{url}: cannot stat shard: (PermissionError: 403 "
                                                  r"Forbidden|S3Error: 400 Bad Request)$"):  # (a HEAD answer has no body)
-                reader.size(shard.name, index.key(0))
+                way.size()
         assert [(r.method, r.fault) for r in expired.requests] == [("GET", "expired"), ("HEAD", "expired")]
     finally:
         expired.close()

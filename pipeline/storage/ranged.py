@@ -41,42 +41,43 @@ CLIENTS: dict[str, Callable[[str, dict[str, Any] | None], tuple[Client, str] | N
 
 @dataclasses.dataclass(frozen=True)
 class Ranged:
-    """One shard's bytes by range, and its size, through its scheme's client."""
+    """One shard's bytes by range, and its size, through its scheme's client; `expected`: its size
+    as the manifest says, checked where the client's answers say the object's (`checks_size`)."""
 
     client: Client
     path: str
     url: str
     retry: Retry
+    expected: int | None = None
 
-    @property
-    def sized(self) -> bool:
+    def checks_size(self) -> bool:
         """Whether the client's answers say the object's size (`S3Client.seen_size`): then `read` checks
-        it against the manifest's, and no request asks for it apart."""
+        it against `expected`, and no request asks for it apart."""
         return hasattr(self.client, "seen_size")
 
-    def read(self, start: int, end: int, key: str | None = None, size: int | None = None) -> bytes:
-        """Bytes [start, end) (of sample `key`, for messages): a ShardError if the shard is missing, is
-        short, or fails past the retries. `size`: the manifest's, for a `sized` client a ShardError
-        saying both sizes (before the bytes are used) where the object's answer says another."""
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes [start, end): a ShardError if the shard is missing, is short, or fails past the
+        retries; for a client whose answers say the object's size, a ShardError saying both sizes
+        (before the bytes are used) where it is not `expected`."""
+        checked = self.expected is not None and self.checks_size()
         try:
-            data = read_range(self.client, self.path, self.url, start, end, key, self.retry)  # type: ignore[arg-type]
+            data = read_range(self.client, self.path, self.url, start, end, retry=self.retry)  # type: ignore[arg-type]
         except ShardError as exc:  # (a range past a shortened object's end: say why)
-            if size is not None and self.sized and http_status(exc.__cause__) == 416:
-                self._check_size(self.known_size(), size, key, exc)
+            if checked and http_status(exc.__cause__) == 416:
+                self._check_size(self.known_size(), exc)
             raise
-        if size is not None and self.sized:
-            self._check_size(self.client.seen_size(self.path), size, key)  # type: ignore[attr-defined]
+        if checked:
+            self._check_size(self.client.seen_size(self.path))  # type: ignore[attr-defined]
         return data
 
     def known_size(self) -> int:
-        """The object's size as an answer said it already (`sized` clients), else asked for (a HEAD)."""
-        seen = self.client.seen_size(self.path) if self.sized else None  # type: ignore[attr-defined]
+        """The object's size as an answer said it already (`checks_size` clients), else asked for (a HEAD)."""
+        seen = self.client.seen_size(self.path) if self.checks_size() else None  # type: ignore[attr-defined]
         return seen if seen is not None else self.size()
 
-    def _check_size(self, actual: int | None, size: int, key: str | None, cause: Exception | None = None) -> None:
-        if actual is not None and actual != size:
-            what = f"sample {key!r}: " if key is not None else ""
-            raise ShardError(f"{what}shard is {actual} bytes, the manifest says {size}", url=self.url) from cause
+    def _check_size(self, actual: int | None, cause: Exception | None = None) -> None:
+        if actual is not None and actual != self.expected:
+            raise ShardError(f"shard is {actual} bytes, the manifest says {self.expected}", url=self.url) from cause
 
     def stream(self, start: int, end: int) -> Iterator[bytes | memoryview]:
         """Bytes [start, end) in order as they arrive: by one request where the client streams
@@ -104,15 +105,14 @@ class Ranged:
                 log.info("%s bytes %d-%d: %r; try %d in %.2f s", self.url, at, end, exc, tries.count + 1, wait)
                 time.sleep(wait)
 
-    def size(self, key: str | None = None) -> int:
-        """The shard's size in bytes (when reading sample `key`, for messages)."""
-        what = f"sample {key!r}: " if key is not None else ""
+    def size(self) -> int:
+        """The shard's size in bytes."""
         try:
             return with_retries(self.retry, self.url, lambda: self.client.size(self.path))
         except FileNotFoundError as exc:
-            raise ShardError(f"{what}shard is missing", url=self.url) from exc
+            raise ShardError("shard is missing", url=self.url) from exc
         except Exception as exc:
-            raise ShardError(f"{what}cannot stat shard: {describe(exc)}", url=self.url) from exc
+            raise ShardError(f"cannot stat shard: {describe(exc)}", url=self.url) from exc
 
 
 def client_for(url: str, storage_options: dict[str, Any] | None) -> tuple[Client, str]:
