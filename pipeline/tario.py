@@ -176,7 +176,8 @@ def _recorded_members(view: memoryview, url: str, key: str, limits: ReadLimits,
     return found
 
 
-def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLimits = ReadLimits()) -> list[tuple[str, int, int]]:
+def sample_members(data: bytes | memoryview, url: str, key: str,
+                   limits: ReadLimits = ReadLimits()) -> list[tuple[str, int, int]]:
     """(extension, header offset, data bytes) of each member of one sample's byte range, checked as
     `parse_sample` says."""
     try:
@@ -196,8 +197,8 @@ def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLim
                              url=url)
         shown = f"{key}.{excerpt(ext)[1:-1]}"
         if size > limits.max_member_bytes or pos + BLOCK + size > len(data):
-            raise ShardError(f"sample {key!r}: member {shown} claims {size} bytes, beyond the cap or the sample's range",
-                             url=url)
+            raise ShardError(f"sample {key!r}: member {shown} claims {size} bytes, beyond the cap or the "
+                             "sample's range", url=url)
         if any(e == ext for e, _, _ in members) or len(members) == limits.max_members:
             raise ShardError(f"sample {key!r}: duplicate member {shown} or more than {limits.max_members} members",
                              url=url)
