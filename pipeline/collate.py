@@ -17,6 +17,7 @@ masks unpacked on the CPU go into recycled buffers (`Spares`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import threading
 import weakref
@@ -74,26 +75,27 @@ class Leases:
                     slot, lease = hit
                     first = slot not in pool.sent
                     pool.sent.add(slot)
-                    batch[name] = _Lent(self.token, worker, slot, lease, pool.serials[slot],
-                                        pool.buffers[slot] if first else None,
-                                        value.storage_offset() * value.element_size(), tuple(value.shape), value.dtype)
+                    place = _Place(worker, slot, lease, pool.serials[slot], pool.buffers[slot] if first else None,
+                                   value.storage_offset() * value.element_size(), tuple(value.shape), value.dtype)
+                    batch[name] = _Lent(self.token, place)
                     kept.add(slot)
         pool.forget([slot for slot, _ in taken if slot not in kept])
 
-    def _tensor(self, worker: int, slot: int, lease: int, serial: int, buffer: torch.Tensor | None, offset: int,
-                shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _tensor(self, place: _Place) -> torch.Tensor:
         """In the main process: a lent tensor over the mapped buffer, on a storage of the lease's own."""
-        if buffer is not None:
-            self._mapped[(worker, slot)] = (serial, buffer.numpy())
+        worker, slot = place.worker, place.slot
+        if place.buffer is not None:
+            self._mapped[(worker, slot)] = (place.serial, place.buffer.numpy())
         mapped = self._mapped.get((worker, slot))
-        if mapped is None or mapped[0] != serial:
+        if mapped is None or mapped[0] != place.serial:
             raise RuntimeError(f"shardstream: DataLoader worker {worker}'s buffer {slot} arrived before its mapping")
-        storage = self._storages.get(lease)
+        storage = self._storages.get(place.lease)
         if storage is None:
-            storage = self._storages[lease] = torch.frombuffer(mapped[1], dtype=torch.uint8).untyped_storage()
-            weakref.finalize(storage, _release, self.table[worker].numpy(), slot, lease)
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (nbytes,), (1,)).view(dtype).view(shape)
+            storage = self._storages[place.lease] = torch.frombuffer(mapped[1], dtype=torch.uint8).untyped_storage()
+            weakref.finalize(storage, _release, self.table[worker].numpy(), slot, place.lease)
+        nbytes = int(np.prod(place.shape)) * place.dtype.itemsize
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage, place.offset, (nbytes,), (1,))
+        return flat.view(place.dtype).view(place.shape)
 
 
 class _Pool:
@@ -145,22 +147,36 @@ class _Pool:
             self.flags[slot] = 0
 
 
-class _Lent:
-    """A tensor on a lent buffer, on its way to the main process: (buffer, offset, shape, dtype), and
-    the buffer itself the first time."""
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where a lent tensor lies: a worker's buffer (by slot, lease and serial), and the buffer itself
+    the first time it is sent; the tensor's byte offset in it, shape and dtype."""
 
-    def __init__(self, token: int, *args: Any) -> None:
-        self.token, self.args = token, args
+    worker: int
+    slot: int
+    lease: int
+    serial: int
+    buffer: torch.Tensor | None
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Lent:
+    """A tensor on a lent buffer, on its way to the main process: its place, rebuilt as a tensor there."""
+
+    def __init__(self, token: int, place: _Place) -> None:
+        self.token, self.place = token, place
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _received, (self.token, *self.args)
+        return _received, (self.token, self.place)
 
 
-def _received(token: int, *args: Any) -> torch.Tensor:
+def _received(token: int, place: _Place) -> torch.Tensor:
     leases = _MAIN.get(token)
     if leases is None:
         raise RuntimeError("shardstream: a lent batch buffer unpickled outside the process that made the loader")
-    return leases._tensor(*args)
+    return leases._tensor(place)
 
 
 def _release(flags: np.ndarray, slot: int, lease: int) -> None:
@@ -209,7 +225,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return _pool.take(nbytes)[:nbytes].view(dtype).view(shape)
 
 
-def padded_images(images: Sequence[torch.Tensor], height: int, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def padded_images(images: Sequence[torch.Tensor], height: int, width: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """(B, 3, height, width) uint8 from (3, h, w) RGB images, each at the top left and zero-padded (only the
     padding is written besides the image: `empty` may hand back a recycled buffer), in `out` if given."""
     out = empty((len(images), 3, height, width), torch.uint8) if out is None else out

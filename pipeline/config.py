@@ -85,9 +85,10 @@ class LoaderConfig:
                               f"got {self.prefetch_factor!r}")
         shuffle_name(self.shuffle)
         amplification = self.read_amplification
-        if isinstance(amplification, bool) or not isinstance(amplification, (int, float)) or not amplification >= 1:
-            raise ConfigError(f"read_amplification must be a number >= 1 (bytes a span may read per byte of the samples "
-                              f"it serves), got {amplification!r}")
+        is_number = isinstance(amplification, (int, float)) and not isinstance(amplification, bool)
+        if not (is_number and amplification >= 1):
+            raise ConfigError("read_amplification must be a number >= 1 (bytes a span may read per byte of the "
+                              f"samples it serves), got {amplification!r}")
         if self.verify not in ("size", "sha256"):
             raise ConfigError(f"verify must be 'size' or 'sha256', got {self.verify!r}")
         if self.on_error not in ("raise", "skip"):
@@ -111,4 +112,5 @@ class LoaderConfig:
     def split(cls, settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Keywords -> (this config's settings, the rest: the kind's options)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return ({k: v for k, v in settings.items() if k in names}, {k: v for k, v in settings.items() if k not in names})
+        ours = {k: v for k, v in settings.items() if k in names}
+        return ours, {k: v for k, v in settings.items() if k not in names}

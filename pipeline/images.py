@@ -79,8 +79,8 @@ def _draft_scale(height: int, width: int, frame: tuple[int, int]) -> int:
     return next((s for s in (8, 4, 2) if fits >= s), 1)
 
 
-def _turbo_jpeg(data: bytes | memoryview, frame: tuple[int, int] | None, url: str, key: str, field: str, max_pixels: int,
-                size: tuple[int, int] | None) -> np.ndarray | None:
+def _turbo_jpeg(data: bytes | memoryview, frame: tuple[int, int] | None, url: str, key: str, field: str,
+                max_pixels: int, size: tuple[int, int] | None) -> np.ndarray | None:
     """(h, w, 3) RGB pixels of a YCbCr or grayscale JPEG, decoded as Pillow's draft decodes them;
     None for what Pillow should take instead: other JPEGs (CMYK, ...) and any that libjpeg-turbo's
     simpler API refuses (odd subsampling, damage), which Pillow then decodes or names."""

@@ -176,7 +176,8 @@ def _recorded_members(view: memoryview, url: str, key: str, limits: ReadLimits,
     return found
 
 
-def sample_members(data: bytes | memoryview, url: str, key: str, limits: ReadLimits = ReadLimits()) -> list[tuple[str, int, int]]:
+def sample_members(data: bytes | memoryview, url: str, key: str,
+                   limits: ReadLimits = ReadLimits()) -> list[tuple[str, int, int]]:
     """(extension, header offset, data bytes) of each member of one sample's byte range, checked as
     `parse_sample` says."""
     try:

@@ -116,7 +116,8 @@ def trl_dataset(
     try:
         from pipeline.hf_datasets import iterable_dataset
     except ImportError as exc:
-        raise ImportError(f"trl_dataset needs the datasets library ({exc}): install the package's hf extra, or pip install 'datasets>=5.2'") from exc
+        raise ImportError(f"trl_dataset needs the datasets library ({exc}): install the package's hf extra, "
+                          "or pip install 'datasets>=5.2'") from exc
     stream = make_stream_dataset(source, split, batch_size=_positive("chunk", chunk), flatten=True, split_workers=False,
                                  max_workers=1, shuffle=shuffle, seed=seed, drop_last=False, on_error=on_error,
                                  max_errors=max_errors, shuffle_window=shuffle_window, rank=0, world_size=1,

@@ -71,8 +71,8 @@ def _npy(path: str, url: str) -> tuple[np.ndarray, str]:
     dtype = array.dtype
     name = dtype.name if dtype.kind in "biuf" and dtype.fields is None else ""
     if name not in COLUMN_DTYPES or name == BFLOAT16:
-        raise InputError(f"dtype {dtype} is not supported (bool, ints, uints, float16/32/64; bfloat16 via .safetensors)",
-                         url=url)
+        raise InputError(f"dtype {dtype} is not supported (bool, ints, uints, float16/32/64; bfloat16 via "
+                         ".safetensors)", url=url)
     return array, name
 
 

@@ -49,7 +49,8 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid list {text!r}: want integers separated by commas, e.g. 0,2,4") from None
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: want integers separated by commas, "
+                                         "e.g. 0,2,4") from None
 
 
 def _kind_options() -> argparse.ArgumentParser:
@@ -111,7 +112,8 @@ def _index(args: argparse.Namespace) -> int:
                                   dask=args.dask, storage_options=args.storage_options))
 
 
-def _dataset(sub: Subparsers, name: str, parents: list[argparse.ArgumentParser], **kwargs: Any) -> argparse.ArgumentParser:
+def _dataset(sub: Subparsers, name: str, parents: list[argparse.ArgumentParser],
+             **kwargs: Any) -> argparse.ArgumentParser:
     """The parser of a subcommand that reads a dataset: OUT."""
     p = sub.add_parser(name, parents=parents, **kwargs)
     p.add_argument("out", metavar="OUT", help="dataset folder or URL")
@@ -159,9 +161,11 @@ def _add_tune(sub: Subparsers, name: str) -> argparse.ArgumentParser:
                  f"the settings within {WITHIN:.0%} of the best throughput, the one of least peak memory.")
     p.add_argument("--split", required=True)
     p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--workers", type=_ints, help=f"num_workers to try (default: {','.join(map(str, default_workers()))})")
+    workers = ",".join(map(str, default_workers()))
+    p.add_argument("--workers", type=_ints, help=f"num_workers to try (default: {workers})")
     p.add_argument("--prefetch", type=_ints, default=(2,), help="prefetch_factor values to try with workers (2)")
-    p.add_argument("--read-ahead", type=_ints, default=(1,), help="read_ahead values to try (1; matters for object storage)")
+    p.add_argument("--read-ahead", type=_ints, default=(1,),
+                   help="read_ahead values to try (1; matters for object storage)")
     p.add_argument("--batches", type=int, default=20, help="timed batches per setting (20)")
     p.add_argument("--warmup", type=int, default=3, help="batches read before timing, the first included (3)")
     p.add_argument("--seconds", type=float, default=15.0, help="at most this long timing a setting (15)")
@@ -237,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- main -----------------------------------------------------------------------------------------
 
-_QUIET = {"botocore", "aiobotocore", "s3fs", "fsspec", "distributed"}  # INFO: where credentials came from; Dask's workers
+# Loggers whose INFO lines are noise here: where credentials came from; Dask's workers.
+_QUIET = {"botocore", "aiobotocore", "s3fs", "fsspec", "distributed"}
 
 
 def _libraries_quiet(record: logging.LogRecord) -> bool:

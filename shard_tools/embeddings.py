@@ -182,7 +182,8 @@ class EmbeddingsSource:
                     path = os.path.join(self.root, f.file)
                     row_bytes = math.prod(f.field.shape) * storage_dtype(f.field.dtype).itemsize
                     offset = getattr(mapped(path, f.tensor, f.stamp)[0], "offset", 0) + first * row_bytes
-                    parts.append((f.field.name, Part(path, offset, len(chunk) * row_bytes, f"{f.file}[rows {first}..{last}]")))
+                    label = f"{f.file}[rows {first}..{last}]"
+                    parts.append((f.field.name, Part(path, offset, len(chunk) * row_bytes, label)))
                 refs.append(SampleRef(f"{split.name}-{block:06d}", tuple(parts), split.name, len(chunk)))
         return refs, []
 
@@ -248,7 +249,8 @@ def _open_field(root: str, schema_path: str, name: str, entry: Any) -> _FieldEnt
         raise InputError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(_FIELD_KEYS)}", url=schema_path)
     file, tensor = _array_ref({k: entry[k] for k in _ARRAY_KEYS if k in entry}, schema_path, where)
     rng = entry.get("range")
-    if rng is not None and not (isinstance(rng, list) and len(rng) == 2 and all(map(_number, rng)) and rng[0] <= rng[1]):
+    is_range = isinstance(rng, list) and len(rng) == 2 and all(map(_number, rng)) and rng[0] <= rng[1]
+    if rng is not None and not is_range:
         raise InputError(f"{where}: range must be [low, high] (finite numbers, low <= high), got {rng!r}",
                          url=schema_path)
     path = os.path.join(root, file)
@@ -387,8 +389,8 @@ def pack_embeddings(root: str, out: str, *, schema: str | None = None, rows_per_
 # -- `shard-pack embeddings` ------------------------------------------------------------------------
 
 def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, parents=[flags.quiet(), flags.shards("blocks", "data"), flags.workers(skipped=None, dask=dask),
-                                      flags.storage()],
+    parents = [flags.quiet(), flags.shards("blocks", "data"), flags.workers(skipped=None, dask=dask), flags.storage()]
+    p = sub.add_parser(name, parents=parents,
                        help="pack a folder of row-aligned arrays (.npy/.safetensors) described by a schema",
                        description="Check every array against the schema (lengths, NaN/Inf, declared ranges, "
                        "references, splits), then pack blocks of rows; nothing is written if a check fails. Schema: "
@@ -397,7 +399,8 @@ def _add(sub: Subparsers, name: str, dask: str) -> argparse.ArgumentParser:
     p.add_argument("source", metavar="DIR", help="folder of the arrays (and of schema.json)")
     p.add_argument("out", metavar="OUT", help=flags.OUT)
     p.add_argument("--schema", metavar="FILE", help=f"schema file (default: DIR/{SCHEMA_NAME})")
-    p.add_argument("--rows-per-block", type=int, help="rows per block (default: a power of two, blocks of at most 4 MiB)")
+    p.add_argument("--rows-per-block", type=int,
+                   help="rows per block (default: a power of two, blocks of at most 4 MiB)")
     return p
 
 
@@ -433,7 +436,8 @@ def _table(batch: dict[str, torch.Tensor], tile: int, columns: int, bins: int = 
         counts, _ = np.histogram(values, bins=bins, range=(low, high if high > low else low + 1))
         for b, c in enumerate(counts):
             bar = round(line * c / max(counts.max(), 1))
-            draw.rectangle([columns_x[-1] + 4 * b, y + line - bar, columns_x[-1] + 4 * b + 2, y + line], fill=(90, 170, 250))
+            left = columns_x[-1] + 4 * b
+            draw.rectangle([left, y + line - bar, left + 2, y + line], fill=(90, 170, 250))
     return Preview(image, tuple(rows), ())
 
 

@@ -48,7 +48,8 @@ def storage_options(text: str) -> dict[str, Any]:
         try:
             text = pathlib.Path(text[1:]).read_text()
         except (OSError, UnicodeDecodeError) as exc:
-            raise argparse.ArgumentTypeError(f"cannot read {text[1:]!r}: {getattr(exc, 'strerror', None) or exc}") from None
+            reason = getattr(exc, "strerror", None) or exc
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]!r}: {reason}") from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -80,10 +81,11 @@ def quiet(default: Any = argparse.SUPPRESS, text: str = "no progress bar or line
 def storage() -> argparse.ArgumentParser:
     """`--storage-options`: every subcommand that reads or writes by URL."""
     parser = argparse.ArgumentParser(add_help=False)
+    example = """'{"client_kwargs": {"endpoint_url": "https://s3.example.com"}}'"""
     parser.add_argument("--storage-options", type=storage_options, metavar="JSON", help="fsspec's options for "
-                        """the URLs read and written, as make_stream_loader's storage_options: a JSON object, e.g. '{"client_kwargs": """
-                        """{"endpoint_url": "https://s3.example.com"}}', or @FILE holding one (credentials stay off """
-                        "the command line); default: the environment's (AWS_*)")
+                        "the URLs read and written, as make_stream_loader's storage_options: a JSON object, "
+                        f"e.g. {example}, or @FILE holding one (credentials stay off the command line); "
+                        "default: the environment's (AWS_*)")
     return parser
 
 
@@ -107,7 +109,8 @@ def shards(items: str, data: str = "input") -> argparse.ArgumentParser:
 def fractions(how: str = "") -> argparse.ArgumentParser:
     """`--split`: split fractions by key hash (packing kinds that split by key, `index`)."""
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--split", default="train=1", help=f"split fractions by key hash{how}, e.g. train=0.99,val=0.01")
+    parser.add_argument("--split", default="train=1",
+                        help=f"split fractions by key hash{how}, e.g. train=0.99,val=0.01")
     return parser
 
 

@@ -66,8 +66,8 @@ class IndexSummary:
     def lines(self) -> list[str]:
         extra = "".join(f", {v} {k}" for k, v in sorted(self.counts.items()))
         rate = self.bytes / self.seconds / 1e6 if self.seconds else 0.0
-        lines = [f"indexed {self.samples} samples{extra} in {self.archives} archives, {self.bytes / 1e6:.1f} MB, in place "
-                 f"(no copy); {self.ignored} other members ignored",
+        lines = [f"indexed {self.samples} samples{extra} in {self.archives} archives, {self.bytes / 1e6:.1f} MB, "
+                 f"in place (no copy); {self.ignored} other members ignored",
                  f"skipped {self.skipped}; {self.seconds:.1f} s, {rate:.1f} MB/s"]
         if self.outside:
             lines.append(f"the archives lie outside the dataset's folder, where a loader reads only what you allow: "
@@ -155,8 +155,9 @@ def _name(url: str, out: str) -> str:
     return check_shard_name(url, "indexed")
 
 
-def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Sequence[tuple[str, float]] = (("train", 1.0),),
-                   workers: int = 1, max_skipped: int = 10, progress: bool = True,
+def index_archives(kind: str, sources: Sequence[str], out: str, *,
+                   splits: Sequence[tuple[str, float]] = (("train", 1.0),), workers: int = 1,
+                   max_skipped: int = 10, progress: bool = True,
                    storage_options: dict[str, Any] | None = None, dask: str | None = None) -> IndexSummary:
     """Index the archives in `sources` in place into the dataset folder `out` (index files and the
     manifest, written last and atomically; nothing else). Raises PackError if `out` holds a dataset
@@ -173,7 +174,8 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     writes the index files and the manifest."""
     if kind not in _INDEXED:
         raise ConfigError(f"kind {kind!r} cannot be indexed in place; known: {sorted(_INDEXED)}")
-    options = PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped, dask=dask)  # (checked as packing does)
+    # (the options checked as packing checks them)
+    options = PackOptions(splits=tuple(splits), workers=workers, max_skipped=max_skipped, dask=dask)
     started = time.monotonic()
     fs, base = filesystem(out, storage_options)
     out_url = base if is_local(fs) else fs.unstrip_protocol(base)
@@ -184,12 +186,12 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
     made = is_local(fs) and not fs.exists(base)
     if is_local(fs):
         fs.makedirs(base, exist_ok=True)
-    written: list[str] = []
+    files = _IndexFiles(fs, base)
     try:
-        summary, manifest = _index(kind, urls, [_name(u, out_url) for u in urls], options, storage_options, fs, base,
-                                   progress, written)
+        names = [_name(u, out_url) for u in urls]
+        summary, manifest = _index(kind, urls, names, options, storage_options, progress, files)
     except BaseException:
-        for name in written:
+        for name in files.written:
             if name not in earlier:
                 with contextlib.suppress(FileNotFoundError):  # (interrupted while it was written)
                     fs.rm_file(join(base, name))
@@ -197,7 +199,7 @@ def index_archives(kind: str, sources: Sequence[str], out: str, *, splits: Seque
             fs.rmdir(base)
         raise
     write_bytes(fs, join(base, MANIFEST_NAME), manifest.to_json())  # last: the indexes it lists are in place
-    for name in sorted(earlier - _listed(manifest)):  # the earlier run's indexes no manifest lists now (and nothing else)
+    for name in sorted(earlier - _listed(manifest)):  # the earlier run's indexes the manifest drops (nothing else)
         fs.rm_file(join(base, name))
     summary.seconds = time.monotonic() - started
     summary.outside = _outside(urls, out_url, is_local(fs))
@@ -288,10 +290,24 @@ class SeenKeys:
         return sum(len(run) for run in self.runs)
 
 
+@dataclasses.dataclass
+class _IndexFiles:
+    """Where a run writes its index files (a filesystem and the dataset's folder on it), and the names
+    of those it wrote (each named before it is written: removed if the run fails)."""
+
+    fs: Any
+    base: str
+    written: list[str] = dataclasses.field(default_factory=list)
+
+    def write(self, name: str, data: bytes) -> None:
+        self.written.append(name)
+        write_bytes(self.fs, join(self.base, name), data)
+
+
 def _index(kind: str, urls: list[str], names: list[str], options: PackOptions, storage_options: dict[str, Any] | None,
-           fs: Any, base: str, progress: bool, written: list[str]) -> tuple[IndexSummary, Manifest]:
+           progress: bool, files: _IndexFiles) -> tuple[IndexSummary, Manifest]:
     """Each archive as it is scanned: keys seen in an earlier archive dropped (the first kept),
-    samples split by key, its index files written (named in `written`); then the manifest to write."""
+    samples split by key, its index files written (into `files`); then the manifest to write."""
     splits, max_skipped = options.splits, options.max_skipped
     assert splits is not None
     keys, skipped, exts = SeenKeys(), [], set()
@@ -308,8 +324,8 @@ def _index(kind: str, urls: list[str], names: list[str], options: PackOptions, s
                 by_split: dict[str, list[tuple[str, Members]]] = {}
                 for (key, members), new in zip(result.samples, keys.add([key for key, _ in result.samples])):
                     if not new:
-                        skipped.append(skip(url, f"{key}.{members[0][0]}", key, f"duplicate key {key!r} (in an earlier "
-                                             "archive); kept the first"))
+                        why = f"duplicate key {key!r} (in an earlier archive); kept the first"
+                        skipped.append(skip(url, f"{key}.{members[0][0]}", key, why))
                         continue
                     by_split.setdefault(split_of(key, splits), []).append((key, members))
                     exts.update(ext for ext, _, _ in members)
@@ -318,17 +334,17 @@ def _index(kind: str, urls: list[str], names: list[str], options: PackOptions, s
                     for s in skipped[:20]:
                         log.error("skipped %s", s["reason"])
                     where = "" if number + 1 == len(urls) else f" in the first {number + 1} of {len(urls)} archives"
-                    raise TooManySkipped(f"{len(skipped)} samples skipped{where}, more than --max-skipped {max_skipped}; "
-                                         "nothing was written")
+                    raise TooManySkipped(f"{len(skipped)} samples skipped{where}, more than --max-skipped "
+                                         f"{max_skipped}; nothing was written")
                 for split, samples in by_split.items():
                     try:
                         built = ShardIndex.build([k for k, _ in samples], [1] * len(samples), [m for _, m in samples])
                     except ValueError as exc:
                         raise InputError(f"cannot be indexed: {exc}", url=url) from exc
                     data = built.to_bytes(result.bytes)
-                    index = f"{split}-{number:06d}-{hashlib.sha256(data).hexdigest()[:12]}.idx"  # (never another run's file)
-                    written.append(index)
-                    write_bytes(fs, join(base, index), data)
+                    digest = hashlib.sha256(data).hexdigest()[:12]
+                    index = f"{split}-{number:06d}-{digest}.idx"  # (never another run's file)
+                    files.write(index, data)
                     tables[split].append(ShardInfo(name, len(samples), len(samples), result.bytes, result.sha256,
                                                    IndexInfo.of(name, data, index)))
     except KeyboardInterrupt as exc:
@@ -345,8 +361,8 @@ def _index(kind: str, urls: list[str], names: list[str], options: PackOptions, s
     fingerprint = hashlib.sha256(json.dumps([kind, stored, names, archives]).encode())
     manifest = Manifest(kind, tables, stored, fingerprint.hexdigest(), tuple(skipped), origin="indexed",
                         members=tuple(sorted(exts)))
-    summary = IndexSummary(samples=len(keys), archives=len(urls), bytes=sum(b for b, _ in archives), skipped=len(skipped),
-                           ignored=ignored, counts=dict(counts), skip_list=skipped)
+    summary = IndexSummary(samples=len(keys), archives=len(urls), bytes=sum(b for b, _ in archives),
+                           skipped=len(skipped), ignored=ignored, counts=dict(counts), skip_list=skipped)
     return summary, manifest
 
 

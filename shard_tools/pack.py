@@ -40,8 +40,8 @@ from shard_tools.progress import Progress
 from shard_tools.runners import dask_tasks, exit_with_parent, pool_tick, worker_pool
 
 __all__ = [
-    "Part", "SampleRef", "PackOptions", "PackSummary", "PackError", "Interrupted", "Progress", "TooManySkipped", "Source",
-    "pack", "parse_splits", "split_of", "exit_with_parent", "pool_tick", "worker_pool", "dask_tasks",
+    "Part", "SampleRef", "PackOptions", "PackSummary", "PackError", "Interrupted", "Progress", "TooManySkipped",
+    "Source", "pack", "parse_splits", "split_of", "exit_with_parent", "pool_tick", "worker_pool", "dask_tasks",
 ]
 
 log = logging.getLogger(__name__)
@@ -349,7 +349,8 @@ def _reusable_records(fs: Any, base: str, tasks: Sequence[_Task]) -> dict[str, d
     records: dict[str, dict[str, Any]] = {}
     for task in tasks:
         record_path = join(state, task.name + ".json")
-        if exists(fs, record_path) and exists(fs, join(base, task.name)) and exists(fs, join(base, index_name(task.name))):
+        finished = [record_path, join(base, task.name), join(base, index_name(task.name))]
+        if all(exists(fs, path) for path in finished):
             records[task.name] = json.loads(fs.cat_file(record_path))
     return records
 
@@ -379,7 +380,8 @@ def _samples_recorded(fs: Any, base: str, tasks: Sequence[_Task]) -> int:
 def _all_skipped(listing: list[dict[str, str]], records: dict[str, dict[str, Any]], options: PackOptions,
                  out: str) -> list[dict[str, str]]:
     """Every sample skipped, while listing or writing, in key order; TooManySkipped past the limit."""
-    skipped = sorted(listing + [s for r in records.values() for s in r["skipped"]], key=lambda s: (s["key"], s["source"]))
+    written = [s for r in records.values() for s in r["skipped"]]
+    skipped = sorted(listing + written, key=lambda s: (s["key"], s["source"]))
     if len(skipped) > options.max_skipped:
         for s in skipped[:20]:
             log.error("skipped %s", s["reason"])
@@ -447,7 +449,8 @@ def _execute(source: Source, tasks: list[_Task], out: str, options: PackOptions,
                 yield pending.pop(future), future.result()
 
 
-def _execute_dask(source: Source, tasks: list[_Task], out: str, options: PackOptions) -> Iterable[tuple[_Task, dict[str, Any]]]:
+def _execute_dask(source: Source, tasks: list[_Task], out: str,
+                  options: PackOptions) -> Iterable[tuple[_Task, dict[str, Any]]]:
     """The same shard tasks on a Dask cluster (`dask_tasks`). Workers write to `out` themselves: on a
     real cluster it must be storage they all reach."""
     assert options.dask is not None

@@ -62,7 +62,8 @@ def pool_tick(n: int) -> None:
 
 
 @contextlib.contextmanager
-def worker_pool(workers: int, calls: Sequence[tuple[Any, ...]]) -> Iterator[tuple[list[concurrent.futures.Future[Any]], Any]]:
+def worker_pool(workers: int,
+                calls: Sequence[tuple[Any, ...]]) -> Iterator[tuple[list[concurrent.futures.Future[Any]], Any]]:
     """Each call `(function, *args)` submitted to a pool of `workers` spawned processes: (the futures,
     the shared count that `pool_tick` adds to). On leaving, running calls stop at their next tick,
     queued ones are cancelled, and the workers are waited for. The workers ignore Ctrl-C from their

@@ -65,7 +65,8 @@ class Sa1bSource:
             raise ConfigError(f"jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
 
     def options(self) -> dict[str, Any]:
-        return {"image_max_side": self.image_max_side, "jpeg_quality": self.jpeg_quality if self.image_max_side else None}
+        quality = self.jpeg_quality if self.image_max_side else None  # (no re-encoding, no quality)
+        return {"image_max_side": self.image_max_side, "jpeg_quality": quality}
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -99,7 +100,8 @@ class Sa1bSource:
             if set(entry) != set(_ROLES):
                 (role, part), = entry.items()
                 missing = "JSON" if role == "jpg" else "image"
-                skipped.append({"source": part.name, "key": key, "reason": f"{part.name}: no {missing} for key {key!r}"})
+                reason = f"{part.name}: no {missing} for key {key!r}"
+                skipped.append({"source": part.name, "key": key, "reason": reason})
                 continue
             refs.append(SampleRef(key, tuple((role, entry[role]) for role in _ROLES)))
         if not refs:
@@ -160,7 +162,8 @@ def _read(part: Part, storage_options: dict[str, Any] | None) -> bytes:
     return fs.cat_file(path, start=part.offset, end=part.offset + part.size)
 
 
-def check_pair(jpg: bytes, meta: bytes, jpg_name: str, json_name: str, key: str) -> tuple[dict[str, Any], tuple[int, int]]:
+def check_pair(jpg: bytes, meta: bytes, jpg_name: str, json_name: str,
+               key: str) -> tuple[dict[str, Any], tuple[int, int]]:
     """(the stored record without `stored_size`, the image's (height, width)) of an SA-1B pair, checked
     whole: JSON within limits, annotations, RLE, a whole JPEG of the size the JSON states. Packing
     and `shard-pack index` both call it; the names are what errors name."""

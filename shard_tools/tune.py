@@ -100,8 +100,11 @@ class TuneResult:
         rec, best = self.recommended, self.best
         if rec is best:
             return f"recommended: {rec.setting}: the best throughput ({rec.samples_per_s:.1f} samples/s)"
-        memory = "" if rec.peak_mb is None or not best.peak_mb else f" at {rec.peak_mb / best.peak_mb:.0%} of its memory"
-        cpu = f", {rec.cpu_ms_per_sample / best.cpu_ms_per_sample:.0%} of its CPU per sample" if best.cpu_ms_per_sample else ""
+        memory = cpu = ""
+        if rec.peak_mb is not None and best.peak_mb:
+            memory = f" at {rec.peak_mb / best.peak_mb:.0%} of its memory"
+        if best.cpu_ms_per_sample:
+            cpu = f", {rec.cpu_ms_per_sample / best.cpu_ms_per_sample:.0%} of its CPU per sample"
         return (f"recommended: {rec.setting}: {rec.samples_per_s / best.samples_per_s:.0%} of the best throughput "
                 f"({best.setting}){memory}{cpu}")
 

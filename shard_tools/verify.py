@@ -16,7 +16,9 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.errors import ShardError, ShardstreamError, about_sample
-from pipeline.format import BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name
+from pipeline.format import (
+    BLOCK_BYTES, MANIFEST_NAME, SCHEMA_VERSION, IndexInfo, Manifest, ShardIndex, ShardInfo, index_name,
+)
 from pipeline.kinds import KINDS, Kind
 from pipeline.stats import Clock
 from pipeline.storage import Retry, ShardReader, filesystem, is_local, join, read_manifest, shard_url, write_bytes
@@ -98,7 +100,9 @@ def verify(root: str, *, progress: bool = True, storage_options: dict[str, Any] 
             if size != shard.bytes:
                 problems.append(f"{url}: {size} bytes, the manifest says {shard.bytes}")
             with contextlib.ExitStack() as stack:
-                copy = None if is_local(shard_fs) else stack.enter_context(tempfile.TemporaryFile(prefix="shard-pack-verify-"))
+                copy = None
+                if not is_local(shard_fs):
+                    copy = stack.enter_context(tempfile.TemporaryFile(prefix="shard-pack-verify-"))
                 try:
                     sha256 = _sha256(path, url) if copy is None else \
                         _download(ranged_reader(url, storage_options, retry), size, copy)
@@ -229,4 +233,5 @@ def upgrade(root: str, *, progress: bool = True, storage_options: dict[str, Any]
     new = Manifest(manifest.kind, splits, manifest.options, manifest.fingerprint, manifest.skipped)
     write_bytes(fs, join(base, MANIFEST_NAME), new.to_json())  # last: the indexes it lists are in place
     shards = sum(s.inline is not None for split in manifest.splits.values() for s in split)
-    return f"{root}: upgraded from schema {manifest.version} to {SCHEMA_VERSION}: {shards} shard indexes written, no shard changed"
+    return (f"{root}: upgraded from schema {manifest.version} to {SCHEMA_VERSION}: {shards} shard indexes written, "
+            "no shard changed")

@@ -86,7 +86,8 @@ def image_key(path: str) -> str:
 
 def detect_layout(records: Sequence[Any], file: str) -> str:
     """The layout most of `records` have (by each layout's telling field); PackError if none or a tie."""
-    counts = {name: sum(1 for r in records if isinstance(r, dict) and field in r) for name, field in _SIGNATURES.items()}
+    dicts = [r for r in records if isinstance(r, dict)]
+    counts = {name: sum(1 for r in dicts if field in r) for name, field in _SIGNATURES.items()}
     best = max(counts.values(), default=0)
     winners = [name for name, count in counts.items() if count == best]
     if best == 0 or len(winners) > 1:
@@ -208,8 +209,10 @@ def _questions(record: Any, layout: str,
 class _Listing:
     """What the annotation files hold, read one after the other."""
 
-    questions: dict[tuple[str, str], list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # (split, image path) -> questions
-    places: dict[str, dict[str, list[str]]] = dataclasses.field(default_factory=dict)  # image path -> split -> "file record i (qid q)"
+    # (split, image path) -> questions
+    questions: dict[tuple[str, str], list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    # image path -> split -> "file record i (qid q)"
+    places: dict[str, dict[str, list[str]]] = dataclasses.field(default_factory=dict)
     skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
     storage_options: dict[str, Any] | None = None  # (the source's)
 

@@ -24,7 +24,7 @@ def _send(leases: Leases, batch: dict) -> tuple[dict, bool]:
     """A worker's batch as the main process receives it (the same pickling), and whether a buffer
     itself went with it (rather than only its place)."""
     leases.lend(0, batch)
-    mapped = any(lent.args[4] is not None for lent in batch.values())
+    mapped = any(lent.place.buffer is not None for lent in batch.values())
     return pickle.loads(ForkingPickler.dumps(batch)), mapped
 
 

@@ -35,7 +35,9 @@ from __future__ import annotations
 from pipeline.format.index import (
     BLOCK_BYTES, INDEX_EXT, INDEX_MAGIC, INDEX_VERSION, MAX_INDEX_BYTES, MAX_INDEX_SAMPLES, ShardIndex, index_name,
 )
-from pipeline.format.manifest import FORMAT, MANIFEST_NAME, ORIGINS, SCHEMA_VERSION, IndexInfo, Manifest, ShardInfo, Split
+from pipeline.format.manifest import (
+    FORMAT, MANIFEST_NAME, ORIGINS, SCHEMA_VERSION, IndexInfo, Manifest, ShardInfo, Split,
+)
 from pipeline.format.members import (
     EMB_DATA, EMB_ROW, EMB_TABLE, KIND_NAMES, SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, VQA_IMAGE_EXTS,
     VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, WEBDATASET,

@@ -52,7 +52,8 @@ class ShardIndex:
                  exts: tuple[str, ...] = ()) -> None:
         self.keys, self.key_ends, self.spans, self.units = keys, key_ends, spans, units
         self.members, self.exts = members, exts  # members: (ends per sample, header offsets, sizes, ext numbers)
-        self.unit_starts = np.concatenate(([0], np.cumsum(units))).astype(np.int64)  # each sample's first unit, then the count
+        # each sample's first unit, then the count
+        self.unit_starts = np.concatenate(([0], np.cumsum(units))).astype(np.int64)
 
     @property
     def samples(self) -> int:
@@ -79,12 +80,13 @@ class ShardIndex:
         if self.members is None:
             raise DatasetError("this index does not record members (made from a schema-2 manifest)")
         ends, offsets, sizes, exts = self.members
-        first = int(ends[i - 1]) if i else 0
-        return [(self.exts[e], o, s) for e, o, s in zip(exts[first : ends[i]].tolist(), offsets[first : ends[i]].tolist(),
-                                                        sizes[first : ends[i]].tolist())]
+        mine = slice(int(ends[i - 1]) if i else 0, int(ends[i]))
+        found = zip(exts[mine].tolist(), offsets[mine].tolist(), sizes[mine].tolist())
+        return [(self.exts[e], o, s) for e, o, s in found]
 
     @classmethod
-    def build(cls, keys: Sequence[str], units: Sequence[int], members: Sequence[Sequence[tuple[str, int, int]]]) -> ShardIndex:
+    def build(cls, keys: Sequence[str], units: Sequence[int],
+              members: Sequence[Sequence[tuple[str, int, int]]]) -> ShardIndex:
         """The index of samples given as key, units and members (extension, header offset, data bytes)."""
         exts = tuple(sorted({ext for sample in members for ext, _, _ in sample}))
         if len(exts) > 256 or len("\n".join(exts)) > 4096:  # (what `from_bytes` reads back)
@@ -116,7 +118,8 @@ class ShardIndex:
                          exts.astype("u1").tobytes(), self.keys, ext_table])
 
     @classmethod
-    def from_bytes(cls, data: bytes | memoryview, url: str, *, samples: int, units: int, shard_bytes: int) -> ShardIndex:
+    def from_bytes(cls, data: bytes | memoryview, url: str, *, samples: int, units: int,
+                   shard_bytes: int) -> ShardIndex:
         """Parse and check an index file against what the manifest says of its shard; IndexError
         (a ShardIndexError) naming the file on anything that is not exactly what `to_bytes` writes."""
         def bad(message: str) -> ShardIndexError:
@@ -131,9 +134,11 @@ class ShardIndex:
             raise bad(f"{n} samples, {unit_count} units, shard of {total} bytes; the manifest says {samples}, {units}, "
                       f"{shard_bytes}")
         if n > MAX_INDEX_SAMPLES or m > n * _MAX_MEMBERS or m < n or key_bytes > 80 * n or ext_bytes > 4096:
-            raise bad(f"sizes out of bounds ({n} samples, {m} members, {key_bytes} key bytes, {ext_bytes} extension bytes)")
-        if len(data) != _INDEX_HEADER.size + 28 * n + 17 * m + key_bytes + ext_bytes:
-            raise bad(f"{len(data)} bytes, the header's counts need {_INDEX_HEADER.size + 28 * n + 17 * m + key_bytes + ext_bytes}")
+            raise bad(f"sizes out of bounds ({n} samples, {m} members, {key_bytes} key bytes, "
+                      f"{ext_bytes} extension bytes)")
+        needed = _INDEX_HEADER.size + 28 * n + 17 * m + key_bytes + ext_bytes
+        if len(data) != needed:
+            raise bad(f"{len(data)} bytes, the header's counts need {needed}")
         pos = _INDEX_HEADER.size
 
         def take(dtype: str, count: int) -> np.ndarray:
@@ -152,7 +157,8 @@ class ShardIndex:
             raise bad("keys must be 1-80 of [A-Za-z0-9_-] each, filling the key table")
         if (unit_array < 1).any():
             raise bad("a sample with no units")
-        if len(set(exts)) != len(exts) or not all(_EXT_RE.fullmatch(e) for e in exts) or (ext_numbers >= len(exts)).any():
+        well_formed = len(set(exts)) == len(exts) and all(_EXT_RE.fullmatch(e) for e in exts)
+        if not well_formed or (ext_numbers >= len(exts)).any():
             raise bad(f"invalid extension table {exts!r}"[:200])
         if n and ((spans[:, 0] >= spans[:, 1]).any() or spans[:, 1].max() > total or (np.diff(spans[:, 0]) <= 0).any()):
             raise bad("sample spans out of order, empty or past the shard's end")

@@ -100,9 +100,9 @@ class Split(Sequence[ShardInfo]):
         if any(i is None for i in self.indexes):
             raise DatasetError("shards without an index file cannot be listed in a schema-3 manifest "
                                "(shard-pack upgrade)")
+        indexes = [i for i in self.indexes if i is not None]  # (all of them: checked above)
         columns = [self.names, self.sample_counts.tolist(), self.unit_counts.tolist(), self.shard_bytes.tolist(),
-                   self.sha256, [i.name for i in self.indexes], [i.bytes for i in self.indexes],  # type: ignore[union-attr]
-                   [i.sha256 for i in self.indexes]]  # type: ignore[union-attr]
+                   self.sha256, [i.name for i in indexes], [i.bytes for i in indexes], [i.sha256 for i in indexes]]
         return {"samples": self.samples, "units": self.units, "shards": dict(zip(_COLUMNS, columns))}
 
     @classmethod

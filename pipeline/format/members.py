@@ -32,7 +32,8 @@ VQA_RECORD = "msgpack"
 EMB_TABLE = "msgpack"
 EMB_DATA = "bin"
 WEBDATASET = "webdataset"  # any WebDataset tars indexed in place: members grouped by key, decoded by the user
-KIND_NAMES = ("sa1b", "vqa", "embeddings", WEBDATASET)  # the kinds a manifest may name (pipeline.kinds.KINDS holds their code)
+# The kinds a manifest may name (pipeline.kinds.KINDS holds their code).
+KIND_NAMES = ("sa1b", "vqa", "embeddings", WEBDATASET)
 
 # The SA-1B annotation record (msgpack map). Geometry is in the original image frame
 # (`image.width` x `image.height`), whatever size the stored JPEG has (`stored_size`).

@@ -100,7 +100,8 @@ def pack_columns(columns: Sequence[tuple[str, str, np.ndarray]]) -> tuple[bytes,
     for (_, dtype, array), offset in zip(columns, offsets):
         raw = np.ascontiguousarray(array, dtype=storage_dtype(dtype)).tobytes()
         data[offset : offset + len(raw)] = raw
-    table = {"rows": n, "columns": [[name, dtype, list(shape), offset] for (name, dtype, shape), offset in zip(layout, offsets)]}
+    table_columns = [[name, dtype, list(shape), offset] for (name, dtype, shape), offset in zip(layout, offsets)]
+    table = {"rows": n, "columns": table_columns}
     return pack_record(table), bytes(data)
 
 

@@ -25,13 +25,14 @@ __all__ = ["Item", "plan_epoch"]
 _CHUNK = 8192  # positions a lazy plan computes at once
 
 Item = tuple[int, np.ndarray, np.ndarray]
+_SourceOrder = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # positions -> (source, id in source) of each
 
 
 class _Plan(Sequence[Item]):
     """A worker's batches (see `plan_epoch`), computed a chunk of batches at a time when asked for,
     the last two chunks kept: cheap in order with a small look-ahead, correct in any order."""
 
-    def __init__(self, span: RankSpan, world: World, order: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
+    def __init__(self, span: RankSpan, world: World, order: _SourceOrder) -> None:
         self._span, self._worker, self._workers, self._order = span, world.worker, world.num_workers, order
         self._length = max(0, -(-(span.batches - world.worker) // world.num_workers))
         self._per_chunk = max(1, _CHUNK // span.batch_size)
@@ -94,9 +95,10 @@ def plan_epoch(
     source) of each batch `world`'s worker yields. `sources` holds each source's shard sizes; one
     source needs no `mix`. A lazy sequence: its batches are computed a chunk at a time."""
     if seed < 0 or epoch < 0 or batch_size < 1 or window < 1:
-        raise ConfigError(f"need seed >= 0, epoch >= 0, batch_size >= 1, window >= 1; got {seed}, {epoch}, {batch_size}, {window}")
+        raise ConfigError("need seed >= 0, epoch >= 0, batch_size >= 1, window >= 1; "
+                          f"got {seed}, {epoch}, {batch_size}, {window}")
     span = rank_span(epoch_samples(sources, mix), world.world_size, world.rank, batch_size, drop_last, history)
-    order: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+    order: _SourceOrder
     if mix is None:
         single = get_shuffle(shuffle)(sources[0], [seed, epoch], window)
         order = lambda positions: (np.zeros(positions.size, np.int64), single(positions))  # noqa: E731

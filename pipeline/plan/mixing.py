@@ -103,7 +103,8 @@ class MixedOrder:
         self.orders: collections.OrderedDict[tuple[int, int], Order] = collections.OrderedDict()
 
     @staticmethod
-    def _cached(cache: collections.OrderedDict, key: object, limit: int, make: Callable, *args: object) -> Any:  # type: ignore[type-arg]
+    def _cached(cache: collections.OrderedDict[Any, Any], key: object, limit: int, make: Callable[..., Any],
+                *args: object) -> Any:
         """cache[key], made by make(*args) if absent; the `limit` last used kept."""
         if key in cache:
             cache.move_to_end(key)

@@ -105,9 +105,9 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, e
     parts = []
     for first in range(start, end, PIECE_BYTES):
         stop = min(first + PIECE_BYTES, end)
-        tries = Tries(retry)
+        tries, read = Tries(retry), functools.partial(piece, first, stop)
         try:
-            parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", functools.partial(piece, first, stop), tries))
+            parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", read, tries))
         except FileNotFoundError as exc:
             raise ShardError(f"{what}shard is missing", url=url) from exc
         except ShardError as exc:  # (not a regular file)

@@ -189,7 +189,8 @@ def _store(bucket: str, options: dict[str, Any]) -> Any:
               "s3_express": False, **where, **signing}
     client_options = _client_options(where["endpoint"], client_kwargs, config_kwargs, session)
     _RUNTIME[:] = _RUNTIME or [os.getpid()]
-    return S3Store(config=config, client_options=client_options, retry_config={"max_retries": 0},  # type: ignore[arg-type]
+    no_retries = {"max_retries": 0}  # (retry.Retry is the one retry layer)
+    return S3Store(config=config, client_options=client_options, retry_config=no_retries,  # type: ignore[arg-type]
                    credential_provider=provider)
 
 
@@ -225,12 +226,13 @@ def _where(bucket: str, options: dict[str, Any], client_kwargs: dict[str, Any], 
             raise _Declined("an endpoint set in the AWS config file")
     region = client_kwargs.get("region_name") or config_kwargs.get("region_name") or \
         session.get_config_variable("region")
-    style = (config_kwargs.get("s3") or {}).get("addressing_style") or (scoped.get("s3") or {}).get("addressing_style") \
-        or "auto"
+    styles = [(settings.get("s3") or {}).get("addressing_style") for settings in (config_kwargs, scoped)]
+    style = next((s for s in styles if s), "auto")
     if endpoint is not None:
         if style == "virtual":
             raise _Declined("virtual-hosted addressing on a custom endpoint")
-        return {"endpoint": endpoint.rstrip("/"), "region": region or "us-east-1", "virtual_hosted_style_request": False}
+        return {"endpoint": endpoint.rstrip("/"), "region": region or "us-east-1",
+                "virtual_hosted_style_request": False}
     if region is None:
         raise _Declined("no region (s3fs follows the bucket's redirect)")
     if options.get("use_ssl") is False or client_kwargs.get("use_ssl") is False:

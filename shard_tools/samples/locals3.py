@@ -67,7 +67,8 @@ class SeaweedFS:
             f"-master.port={master}", f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
             f"-volume.port.grpc={volume_grpc}", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
             f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-admin.port={admin}", f"-s3.config={config}",
-            "-s3.autoCreateBucket=false", f"-filer.localSocket={self.directory / 'filer.sock'}", f"-s3.localSocket={self.directory / 's3.sock'}",
+            "-s3.autoCreateBucket=false", f"-filer.localSocket={self.directory / 'filer.sock'}",
+            f"-s3.localSocket={self.directory / 's3.sock'}",
         ]
         self.log = open(self.directory / "weed.log", "wb")  # closed in stop()
         self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.directory,

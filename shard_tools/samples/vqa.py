@@ -34,8 +34,10 @@ PHOTOS: dict[str, tuple[str, str, str, tuple[tuple[str, str], ...]]] = {
     "microaneurysms": ("microaneurysms", "EYE", "fundus photograph", (
         ("Are microaneurysms present?", "yes"), ("Is this image in color?", "no"),
         ("What abnormality is seen?", "microaneurysms"))),
-    "camera": ("camera", "NONE", "photograph", (("Is this a medical image?", "no"), ("Is this image in color?", "no"))),
-    "coins": ("coins", "NONE", "photograph", (("How many rows of objects are there?", 4), ("Is this a CT scan?", "no"))),
+    "camera": ("camera", "NONE", "photograph", (
+        ("Is this a medical image?", "no"), ("Is this image in color?", "no"))),
+    "coins": ("coins", "NONE", "photograph", (
+        ("How many rows of objects are there?", 4), ("Is this a CT scan?", "no"))),
     "moon": ("moon", "NONE", "photograph", (("Is this image in color?", "no"), ("Is there a fracture?", "no"))),
 }
 # (format, mode) of the images, in turn: as medical collections have them.
@@ -102,20 +104,21 @@ def records(layout: str, photos: dict[str, str], per_image: tuple[int, int], see
         if layout == "llava":
             turns: list[dict[str, str]] = []
             for k, (q, a) in enumerate(pairs):
-                turns += [{"from": "human", "value": f"<image>\n{q}" if k == 0 else q}, {"from": "gpt", "value": str(a)}]
+                asked = f"<image>\n{q}" if k == 0 else q
+                turns += [{"from": "human", "value": asked}, {"from": "gpt", "value": str(a)}]
             out.append({"id": f"{first_id + n:08d}", "image": path, "conversations": turns})
             continue
         for q, a in pairs:
             qid = first_id + len(out)
+            answer_type = "CLOSED" if a in ("yes", "no") else "OPEN"
             if layout == "vqa-rad":
                 out.append({"qid": qid, "image_name": path, "image_case_url": f"https://example.org/case/{n}",
-                            "image_organ": organ, "answer": a, "answer_type": "CLOSED" if a in ("yes", "no") else "OPEN",
+                            "image_organ": organ, "answer": a, "answer_type": answer_type,
                             "question_type": "PRES", "question": q, "phrase_type": "freeform"})
             else:
                 out.append({"img_id": first_id + n, "img_name": path, "question": q, "answer": a, "q_lang": "en",
-                            "location": organ.title(), "modality": modality, "answer_type": "CLOSED" if a in ("yes", "no")
-                            else "OPEN", "base_type": "vqa", "content_type": "Modality", "triple": [name, "_", "_"],
-                            "qid": qid})
+                            "location": organ.title(), "modality": modality, "answer_type": answer_type,
+                            "base_type": "vqa", "content_type": "Modality", "triple": [name, "_", "_"], "qid": qid})
     return out
 
 
