@@ -73,7 +73,8 @@ def kind_of(manifests: Sequence[Manifest], limits: Any, **options: Any) -> Kind:
     name = manifests[0].kind
     if name != "webdataset" and {"decode", "collate"} & set(options):
         raise ConfigError(f"decode= and collate= are for webdataset datasets (`shard-pack index webdataset`); {name} "
-                          f"datasets are decoded by their kind, pipeline.kinds.{name} (its options: see make_stream_loader)")
+                          f"datasets are decoded by their kind, pipeline.kinds.{name} "
+                          f"(its options: see make_stream_loader)")
     try:
         return KINDS[name].of(manifests, limits, **options)
     except TypeError as exc:  # an option this kind does not have
