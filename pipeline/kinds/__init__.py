@@ -6,6 +6,8 @@ questions of an image): when `units` is true the plan orders units, the loader o
 and decodes its units one by one, or, for a `grouped` kind, all of a batch's units of a sample at
 once (an array of them: the batch holds them together, samples in order of their first unit).
 A new kind is one module here and one entry in `KINDS` (and its name in `format.KIND_NAMES`).
+A kind declares its finished batch as data (`fields(epoch)`, of `schema.BatchField`); its `check`
+is `schema.problems` (keys, dtypes, shapes) and then whatever else its values must hold.
 
 Stats: `decode` is handed a `pipeline.stats.Clock` and may time parts of its work on it under the
 names in `stages` (`clock.mark()` before a part, `clock.split(name)` after it); `loader.stats()`

@@ -29,8 +29,9 @@ def problems(batch: Any, fields: Sequence[BatchField]) -> list[str]:
     if not isinstance(batch, dict):
         return [f"a {type(batch).__name__}, expected a dict of {sorted(expected)}"]
     if set(batch) != expected:
-        missing, extra = sorted(expected - set(batch)), sorted(set(batch) - expected)
-        return [f"keys {sorted(batch)}, expected {sorted(expected)} (missing {missing}, unexpected {extra})"]
+        differences = [f"{what} {names}" for what, names in (("missing", sorted(expected - set(batch))),
+                                                             ("unexpected", sorted(set(batch) - expected))) if names]
+        return [f"keys {sorted(batch)}, expected {sorted(expected)} ({', '.join(differences)})"]
     sizes: dict[str, int] = {}
     found = (_problem(field, batch[field.name], sizes) for field in fields)
     return [problem for problem in found if problem]
