@@ -42,7 +42,7 @@ def json_costs(data: pathlib.Path) -> dict:
     import torch
 
     from pipeline.format import parse_json
-    from pipeline.kinds.sa1b import Sa1bOptions, decode_sample, original_record
+    from pipeline.kinds.sa1b import Sa1b, Sa1bOptions, original_record
 
     torch.set_num_threads(1)  # (as in a DataLoader worker)
     samples = []
@@ -52,11 +52,11 @@ def json_costs(data: pathlib.Path) -> dict:
         samples += [(name[:-4], {"jpg": files[name], "json": files[name[:-4] + ".json"]})
                     for name in sorted(files) if name.endswith(".jpg")]
     packed = dict(packed_samples(data / "shards"))
-    options = Sa1bOptions(**{k: v for k, v in SETTINGS.items() if k != "batch_size"})
+    kind = Sa1b(Sa1bOptions(**{k: v for k, v in SETTINGS.items() if k != "batch_size"}))
     steps = {"parse_json": lambda key, m: parse_json(m["json"]),
              "original_record": lambda key, m: original_record(m, "bench", key),
-             "decode_sample": lambda key, m: decode_sample(m, options, seed=0, epoch=0, url="bench", key=key),
-             "decode_packed": lambda key, m: decode_sample(packed[key], options, seed=0, epoch=0, url="bench", key=key)}
+             "decode_sample": lambda key, m: kind.decode(m, seed=0, epoch=0, url="bench", key=key),
+             "decode_packed": lambda key, m: kind.decode(packed[key], seed=0, epoch=0, url="bench", key=key)}
     passes: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(5):  # (the steps alternate: the machine's speed wanders)
         for name, step in steps.items():

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
-from pipeline.kinds.embeddings import EmbeddingsOptions, Field, check_batch, open_block
+from pipeline.kinds.embeddings import Embeddings, EmbeddingsOptions, Field
 from pipeline.errors import InputError, RowError
 from pipeline.format import (
     COLUMN_ALIGN, COLUMN_DTYPES, Manifest, pack_columns, pack_record, storage_dtype, unpack_columns, unpack_record,
@@ -509,7 +509,7 @@ def test_curriculum_schedule_reaches_persistent_workers(emb_src, emb_dataset):
         for batch in batches:
             assert batch["negative_embs"].shape == (8, count, D)
             assert np.array_equal(batch["negative_embs"].numpy(), arrays["negative_embs"][batch["row"].numpy(), :count])
-            assert not check_batch(batch, loader.kind.options, epoch)
+            assert not loader.kind.check(batch, epoch)
 
 
 def test_mixing_datasets_of_the_same_fields(emb_src, emb_dataset, tmp_path):
@@ -519,7 +519,7 @@ def test_mixing_datasets_of_the_same_fields(emb_src, emb_dataset, tmp_path):
     loader = make_stream_loader([emb_dataset, str(tmp_path / "out")], "train", batch_size=10, num_workers=0,
                                 weights=[0.5, 0.5], epoch_size=200)
     batches = _epoch(loader, 0)
-    assert sum(len(b["row"]) for b in batches) == 200 and not check_batch(batches[0], loader.kind.options, 0)
+    assert sum(len(b["row"]) for b in batches) == 200 and not loader.kind.check(batches[0], 0)
     schema = json.loads((other / "schema.json").read_text())
     del schema["fields"]["steering"]
     (other / "schema.json").write_text(json.dumps(schema))
@@ -562,12 +562,12 @@ def test_validate_first_batch_and_what_check_catches(emb_dataset):
     loader = _loader(emb_dataset, batch_size=16)
     batch = validate_first_batch(loader)
     options = loader.kind.options
-    assert check_batch(batch, options, 0) == []
+    assert Embeddings(options).check(batch, 0) == []
 
     def problems(name, change):
         bad = {k: v.clone() for k, v in batch.items()}
         bad[name] = change(bad[name])
-        return check_batch(bad, options, 0)
+        return Embeddings(options).check(bad, 0)
 
     def put(index, value):
         def change(tensor):
@@ -581,11 +581,11 @@ def test_validate_first_batch_and_what_check_catches(emb_dataset):
     assert problems("steering", put((2, 1), float("inf"))) == [f"steering: row {row}: value inf at [1]: NaN or infinite"]
     assert problems("cluster_id", put(2, CLUSTERS))[0].startswith(f"cluster_id: row {row}: value {CLUSTERS}: a reference")
     assert problems("steering_variant", put(2, -1)) == [f"steering_variant: row {row}: value -1: outside the declared range [0, 3]"]
-    assert problems("relevance", lambda t: t.double()) == ["relevance: torch.float64, expected torch.float32"]
+    assert problems("relevance", lambda t: t.double()) == ["relevance: dtype torch.float64, expected torch.float32"]
     assert problems("negative_embs", lambda t: t[:, :2]) == [f"negative_embs: shape (16, 2, {D}), expected (16, {K}, {D})"]
     assert problems("row", put(1, int(batch["row"][0]))) == ["row: a row appears twice in the batch"]
     del batch["steering"]
-    assert check_batch(batch, options, 0)[0].startswith("keys ")
+    assert Embeddings(options).check(batch, 0)[0].startswith("keys ")
 
 
 # -- hostile blocks and verify ---------------------------------------------------------------------
@@ -615,23 +615,23 @@ def _block(rows=(1, 2), e=None, c=(0, 4), r=(0.5, 1.0), e_dtype="float16", c_dty
 ])
 def test_hostile_blocks_are_refused_with_the_field_named(members, field, message):
     with pytest.raises(SampleError) as info:
-        open_block(members, _options(), url="s.tar", key="train-000000")
+        Embeddings(_options()).open(members, url="s.tar", key="train-000000")
     assert info.value.field == field and message in info.value.message
 
 
 def test_a_block_of_other_rows_than_the_manifest_says_is_refused_when_opened():
-    assert open_block(_block(), _options(), url="s", key="k", units=2).rows == 2
+    assert Embeddings(_options()).open(_block(), url="s", key="k", units=2).rows == 2
     with pytest.raises(SampleError, match="2 rows, the manifest says 3") as info:
-        open_block(_block(), _options(), url="s", key="k", units=3)  # (batches gather rows unchecked after this)
+        Embeddings(_options()).open(_block(), url="s", key="k", units=3)  # (batches gather rows unchecked after this)
     assert info.value.field == "row"
 
 
 def test_nan_in_a_block_is_caught_when_values_are_checked():
     members = _block(e=np.array([[0, np.nan], [1, 2]], np.float16))
-    assert open_block(members, _options(), url="s", key="k").rows == 2  # training reads skip the float scan
+    assert Embeddings(_options()).open(members, url="s", key="k").rows == 2  # training reads skip the float scan
     options = EmbeddingsOptions(_options().schema, rows=10, check_values=True)
     with pytest.raises(SampleError, match=r"row 1: value nan at \[1\]: NaN or infinite"):
-        open_block(members, options, url="s", key="k")
+        Embeddings(options).open(members, url="s", key="k")
 
 
 @given(st.lists(st.tuples(st.sampled_from(COLUMN_DTYPES), st.lists(st.integers(0, 3), max_size=2)), min_size=1,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pipeline.errors import ShardIndexError, ShardstreamError
 from pipeline.format import ShardIndex
-from pipeline.kinds.sa1b import Sa1bOptions, decode_sample
+from pipeline.kinds.sa1b import Sa1b, Sa1bOptions
 from pipeline.tario import BLOCK, parse_sample
 from test_hostile import _member
 from test_index import _index
@@ -45,7 +45,7 @@ def _check(data: bytes, key: str) -> None:
     start = time.monotonic()
     try:
         members = parse_sample(data, "fuzz.tar", key)
-        sample = decode_sample(members, OPTIONS, seed=0, epoch=0, url="fuzz.tar", key=key)
+        sample = Sa1b(OPTIONS).decode(members, seed=0, epoch=0, url="fuzz.tar", key=key)
         assert sample["image"].shape[0] == 3 and sample["masks_packed"].dtype.name == "uint8"
     except ShardstreamError:
         pass

@@ -22,7 +22,7 @@ import webdataset
 from pipeline import make_stream_loader
 from pipeline.errors import InputError, SampleError, ShardError, ShardstreamError
 from pipeline.format import Manifest, parse_json
-from pipeline.kinds.sa1b import Sa1bOptions, unbatch
+from pipeline.kinds.sa1b import Sa1b, Sa1bOptions
 from pipeline.storage import read_manifest
 from shard_tools.cli import main
 from shard_tools.index import SeenKeys, index_sa1b, index_webdataset
@@ -41,7 +41,7 @@ def _by_key(root: str, split: str = "train", **kwargs) -> dict[str, dict[str, to
     settings.update(kwargs)
     samples = {}
     for batch in make_stream_loader(root, split, **settings):
-        for sample in unbatch(batch, Sa1bOptions(**SMALL)):
+        for sample in Sa1b(Sa1bOptions(**SMALL)).unbatch(batch):
             samples[sample.pop("keys")] = sample
     return samples
 

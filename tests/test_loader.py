@@ -26,7 +26,7 @@ from pipeline.schedule import FirstOut
 from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
 from pipeline.format import Manifest
 from pipeline.rle import fit, nearest_index
-from pipeline.kinds.sa1b import Sa1bOptions, check_batch, choose_masks
+from pipeline.kinds.sa1b import Sa1b, Sa1bOptions, choose_masks
 from conftest import indexed, split_keys
 
 SMALL = dict(image_size=64, mask_size=32, max_masks=5)
@@ -128,7 +128,7 @@ def test_batches_match_reference_decoders(sa1b_src, sa1b_dataset, mask_size):
                                 image_size=80, mask_size=mask_size, max_masks=6)
     sources = _sources(sa1b_src)
     for batch in _epoch(loader, 2):
-        assert check_batch(batch, options, 2) == []
+        assert Sa1b(options).check(batch, 2) == []
         m = options.mask_frame
         for i, key in enumerate(batch["keys"]):
             jpg, meta = sources[key]
@@ -175,23 +175,23 @@ def test_validate_first_batch_and_check_batch(sa1b_dataset):
     loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, **SMALL)
     batch = validate_first_batch(loader)
     options = Sa1bOptions(**SMALL)
-    assert check_batch(batch, options, 0) == []
+    assert Sa1b(options).check(batch, 0) == []
     broken = dict(batch, boxes=batch["boxes"].clone())
     broken["boxes"][0, 0, 0] = float("nan")
-    assert any("NaN" in p for p in check_batch(broken, options, 0))
+    assert any("NaN" in p for p in Sa1b(options).check(broken, 0))
     broken = dict(batch, boxes=batch["boxes"] + 1000)
-    assert any("boxes" in p for p in check_batch(broken, options, 0))
+    assert any("boxes" in p for p in Sa1b(options).check(broken, 0))
     broken = dict(batch, mask_counts=batch["mask_counts"] + 10)
-    assert any("mask_counts" in p for p in check_batch(broken, options, 0))
+    assert any("mask_counts" in p for p in Sa1b(options).check(broken, 0))
     broken = dict(batch, masks=batch["masks"].clone())
     broken["masks"][0, int(batch["mask_counts"][0]):] = True
     if broken["masks"].shape[1] > int(batch["mask_counts"][0]):
-        assert any("padding" in p for p in check_batch(broken, options, 0))
+        assert any("padding" in p for p in Sa1b(options).check(broken, 0))
     broken = dict(batch, images=batch["images"].float())
-    assert any("dtype" in p for p in check_batch(broken, options, 0))
+    assert any("dtype" in p for p in Sa1b(options).check(broken, 0))
     broken = dict(batch, predicted_ious=batch["predicted_ious"] + 2)
-    assert any("[0, 1]" in p for p in check_batch(broken, options, 0))
-    assert "keys" in check_batch({"images": batch["images"]}, options, 0)[0]
+    assert any("[0, 1]" in p for p in Sa1b(options).check(broken, 0))
+    assert "keys" in Sa1b(options).check({"images": batch["images"]}, 0)[0]
 
 
 @pytest.fixture()

@@ -20,7 +20,7 @@ from PIL import Image
 from pipeline import SampleError, make_stream_loader, validate_first_batch
 from pipeline.format import Manifest, pack_record
 from pipeline.rle import fit
-from pipeline.kinds.vqa import VqaOptions, check_batch, open_sample
+from pipeline.kinds.vqa import Vqa, VqaOptions
 from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, TooManySkipped
 from shard_tools.samples.vqa import write_images, write_vqa
@@ -398,7 +398,7 @@ def test_every_question_or_image_once_across_ranks_and_workers(packed, per):
                 batches = list(loader)
                 lengths.add(len(batches))
                 for b in batches:
-                    assert check_batch(b, VqaOptions(per=per, image_size=32), 2) == []
+                    assert Vqa(VqaOptions(per=per, image_size=32)).check(b, 2) == []
                     if per == "question":
                         seen += list(zip(b["keys"], b["question_index"].tolist()))
                     else:
@@ -417,7 +417,7 @@ def test_batches_hold_the_right_images_questions_and_fields(collections_, packed
                                 image_size=image_size)
     seen = 0
     for batch in loader:
-        assert check_batch(batch, VqaOptions(image_size=image_size), 0) == []
+        assert Vqa(VqaOptions(image_size=image_size)).check(batch, 0) == []
         if image_size is None:
             assert list(batch["images"].shape[2:]) == batch["image_sizes"].max(0).values.tolist(), "padded to the largest"
         for i, path in enumerate(batch["paths"]):
@@ -457,13 +457,13 @@ def test_check_batch_finds_problems(packed):
     loader = make_stream_loader(packed["vqa-rad"], "train", batch_size=2, num_workers=0, image_size=32)
     batch = next(iter(loader))
     options = VqaOptions(image_size=32)
-    assert check_batch(batch, options, 0) == []
-    assert any("dtype" in p for p in check_batch(dict(batch, images=batch["images"].float()), options, 0))
+    assert Vqa(options).check(batch, 0) == []
+    assert any("dtype" in p for p in Vqa(options).check(dict(batch, images=batch["images"].float()), 0))
     padded = dict(batch, images=batch["images"].clone(), image_sizes=batch["image_sizes"].clone())
     padded["image_sizes"][0] = torch.tensor([1, 1])
-    assert any("long side" in p for p in check_batch(padded, options, 0))
-    assert any("list of 2" in p for p in check_batch(dict(batch, questions=batch["questions"][:1]), options, 0))
-    assert "keys" in check_batch({"images": batch["images"]}, options, 0)[0]
+    assert any("long side" in p for p in Vqa(options).check(padded, 0))
+    assert any("list of 2" in p for p in Vqa(options).check(dict(batch, questions=batch["questions"][:1]), 0))
+    assert "keys" in Vqa(options).check({"images": batch["images"]}, 0)[0]
 
 
 def test_records_are_checked_strictly_when_read(packed):
@@ -471,7 +471,7 @@ def test_records_are_checked_strictly_when_read(packed):
     options = VqaOptions()
 
     def opened(members):
-        return open_sample(members, options, url="shard.tar", key="k")
+        return Vqa(options).open(members, url="shard.tar", key="k")
 
     assert opened({ext: data, "msgpack": pack_record(record)}).questions == record["questions"]
     cases = {

@@ -6,6 +6,8 @@ questions of an image): when `units` is true the plan orders units, the loader o
 and decodes its units one by one, or, for a `grouped` kind, all of a batch's units of a sample at
 once (an array of them: the batch holds them together, samples in order of their first unit).
 A new kind is one module here and one entry in `KINDS` (and its name in `format.KIND_NAMES`).
+A kind declares its finished batch as data (`fields(epoch)`, of `schema.BatchField`); its `check`
+is `schema.problems` (keys, dtypes, shapes) and then whatever else its values must hold.
 
 Stats: `decode` is handed a `pipeline.stats.Clock` and may time parts of its work on it under the
 names in `stages` (`clock.mark()` before a part, `clock.split(name)` after it); `loader.stats()`
@@ -73,7 +75,8 @@ def kind_of(manifests: Sequence[Manifest], limits: Any, **options: Any) -> Kind:
     name = manifests[0].kind
     if name != "webdataset" and {"decode", "collate"} & set(options):
         raise ConfigError(f"decode= and collate= are for webdataset datasets (`shard-pack index webdataset`); {name} "
-                          f"datasets are decoded by their kind, pipeline.kinds.{name} (its options: see make_stream_loader)")
+                          f"datasets are decoded by their kind, pipeline.kinds.{name} "
+                          f"(its options: see make_stream_loader)")
     try:
         return KINDS[name].of(manifests, limits, **options)
     except TypeError as exc:  # an option this kind does not have

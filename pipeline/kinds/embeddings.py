@@ -1,7 +1,7 @@
 """Embeddings on the reading side: blocks of rows opened once, rows gathered into typed batches.
 
 A sample is a block of rows (`pipeline.format.pack_columns`); the loader opens it once per worker
-(`open_block`: zero-copy views, dtypes, shapes and row count checked against the manifest, declared
+(`Embeddings.open`: zero-copy views, dtypes, shapes and row count checked against the manifest, declared
 ranges and references checked), `decode` returns a light reference to the batch's rows of the
 block, and `collate` gathers them block by block with `take` straight into one shared-memory
 buffer, the blocks' rows side by side. `finish` cuts that buffer into one tensor per field (views,
@@ -26,12 +26,10 @@ from pipeline.format import (
     BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, column_offsets, storage_dtype,
     unpack_columns,
 )
+from pipeline.kinds.schema import BatchField, problems
 from pipeline.stats import Clock
 
-__all__ = [
-    "Field", "EmbeddingsOptions", "Block", "options_from_manifests", "verify_options", "units", "open_block", "decode",
-    "collate", "finish", "check_batch", "TORCH_DTYPES", "value_problem", "Embeddings",
-]
+__all__ = ["Field", "EmbeddingsOptions", "Block", "TORCH_DTYPES", "value_problem", "Embeddings"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "uint16": torch.uint16,
@@ -60,10 +58,13 @@ class Field:
             raise ConfigError(f"field {self.name!r}: shape must be a tuple of ints >= 0, got {self.shape!r}")
         if self.range is not None and not (
                 isinstance(self.range, tuple) and len(self.range) == 2
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in self.range)
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                        for v in self.range)
                 and self.range[0] <= self.range[1]):
-            raise ConfigError(f"field {self.name!r}: range must be (low, high) finite numbers, low <= high; got {self.range!r}")
-        if self.bound is not None and (type(self.bound) is not int or self.bound < 1 or self.dtype in _FLOATS + ("bool",)):
+            raise ConfigError(f"field {self.name!r}: range must be (low, high) finite numbers, low <= high; "
+                              f"got {self.range!r}")
+        if self.bound is not None and (type(self.bound) is not int or self.bound < 1
+                                       or self.dtype in _FLOATS + ("bool",)):
             raise ConfigError(f"field {self.name!r}: a reference bound must be an int >= 1 on an integer field, "
                               f"got {self.bound!r} on {self.dtype}")
 
@@ -183,30 +184,6 @@ def _merge(a: Field, b: Field) -> Field:
     return Field(a.name, a.dtype, a.shape, rng, bound)
 
 
-def options_from_manifests(manifests: Sequence[Manifest], **options: Any) -> EmbeddingsOptions:
-    """The options of one dataset, or of several mixed (same fields, dtypes and shapes required)."""
-    url = "manifest.json"
-    schema, rows = _schema(manifests[0], url)
-    for manifest in manifests[1:]:
-        other, other_rows = _schema(manifest, url)
-        if [f.name for f in other] != [f.name for f in schema]:
-            raise DatasetError(f"cannot mix datasets with fields {[f.name for f in schema]} and "
-                               f"{[f.name for f in other]}")
-        schema, rows = tuple(_merge(a, b) for a, b in zip(schema, other)), max(rows, other_rows)
-    return EmbeddingsOptions(schema, rows, **options)
-
-
-def verify_options(manifest: Manifest) -> EmbeddingsOptions:
-    """Options that read and check every field of every row (`shard-pack verify`)."""
-    schema, rows = _schema(manifest, "manifest.json")
-    return EmbeddingsOptions(schema, rows, check_values=True)
-
-
-def units(options: EmbeddingsOptions) -> bool:
-    """A block's rows are its units."""
-    return True
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Block:
     """An opened block: read-only views of its columns (the selected fields and `row`)."""
@@ -255,20 +232,11 @@ def value_problem(values: np.ndarray, dtype: str, field: Field, finite: bool) ->
     return None
 
 
-def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: str, key: str,
-               units: int | None = None) -> Block:
-    """A block's columns as views, after checking them against the schema (fields, dtypes, shapes,
-    declared ranges and references; NaN/Inf too with `check_values`) and its rows against the
-    `units` the manifest says it has."""
-    if set(members) != {EMB_TABLE, EMB_DATA}:
-        raise SampleError(f"members {sorted(members)}, expected {sorted([EMB_TABLE, EMB_DATA])}", url=url, key=key)
-    try:
-        columns = unpack_columns(members[EMB_TABLE], members[EMB_DATA])
-    except (ValueError, msgpack.exceptions.UnpackException) as exc:
-        raise SampleError(f"invalid column table: {exc}", url=url, key=key, field=EMB_TABLE) from exc
-    expected = [EMB_ROW] + [f.name for f in options.schema]
-    if list(columns) != expected:
-        raise SampleError(f"columns {list(columns)}, expected {expected}", url=url, key=key)
+
+
+def _row_indices(columns: Mapping[str, Any], options: EmbeddingsOptions, units: int | None, url: str,
+                 key: str) -> np.ndarray:
+    """A block's `row` column, checked: int64 indices of at least one row, in [0, rows), `units` of them."""
     dtype, rows = columns[EMB_ROW]
     n = len(rows)
     if n < 1 or dtype != "int64" or rows.ndim != 1:
@@ -278,73 +246,7 @@ def open_block(members: dict[str, bytes], options: EmbeddingsOptions, *, url: st
         raise SampleError(f"{n} rows, the manifest says {units}", url=url, key=key, field=EMB_ROW)
     if rows.min() < 0 or rows.max() >= options.rows:
         raise SampleError(f"row indices outside [0, {options.rows})", url=url, key=key, field=EMB_ROW)
-    kept = {EMB_ROW: rows}
-    for field in options.schema:
-        dtype, values = columns[field.name]
-        if dtype != field.dtype or values.shape[1:] != field.shape:
-            raise SampleError(f"{dtype}{list(values.shape[1:])} per row, the manifest says "
-                              f"{field.dtype}{list(field.shape)}", url=url, key=key, field=field.name)
-        if field.range is not None or field.bound is not None or (options.check_values and field.dtype in _FLOATS):
-            problem = value_problem(values, dtype, field, options.check_values)
-            if problem is not None:
-                row, value, what = problem
-                raise SampleError(f"row {int(rows[row])}: value {value}: {what}", url=url, key=key, field=field.name)
-        if field.name in options.selected:
-            kept[field.name] = values
-    small = np.empty(n, options.small)
-    for name in options.small.names:
-        small[name] = kept[name]
-    return Block(url, key, n, kept, small.view(np.uint8).reshape(n, options.small.itemsize))
-
-
-def decode(block: Block, options: EmbeddingsOptions, *, unit: np.ndarray, seed: int, epoch: int, url: str,
-           key: str) -> _Rows:
-    """The batch's rows of one block, as a reference: `collate` gathers them. (The plan gives rows
-    below the manifest's count, which `open_block` checked against the block's.)"""
-    return _Rows(block, unit, epoch)
-
-
-def collate(pieces: Sequence[_Rows], options: EmbeddingsOptions) -> dict[str, Any]:
-    """The batch in transit: one shared-memory byte buffer holding every field, and its layout.
-
-    Each block's rows are gathered with one `take` per field into a contiguous stretch of the
-    batch: a batch holds its rows grouped by block (~2x faster than scattering them to plan order)."""
-    b, epoch = sum(len(p.units) for p in pieces), pieces[0].epoch
-    layout = options.layout(epoch)
-    offsets, total = column_offsets([(name, dtype, (b, *shape)) for name, dtype, shape in layout])
-    flat = empty((total,), torch.uint8)
-    array = flat.numpy()
-    ends = np.cumsum([len(p.units) for p in pieces]).tolist()
-    spans = list(zip([0] + ends[:-1], ends))
-    small = np.empty((b, options.small.itemsize), np.uint8)  # (plain bytes: a structured dtype's take is slow)
-    for (block, units, _), (start, stop) in zip(pieces, spans):
-        block.small.take(units, 0, small[start:stop], "clip")
-    shipped = []
-    for (name, dtype, shape), offset in zip(layout, offsets):
-        size = b * math.prod(shape) * storage_dtype(dtype).itemsize
-        out = array[offset : offset + size].view(storage_dtype(dtype)).reshape(b, *shape)
-        shipped.append((name, dtype, (b, *shape), offset))
-        if name in options.small.names:
-            at = options.small.fields[name][1]
-            out[...] = small[:, at : at + out[0].nbytes].view(storage_dtype(dtype)).reshape(out.shape)
-            continue
-        cut = shape[:1] != options.field(name).shape[:1]  # a scheduled `take`
-        for (block, units, _), (start, stop) in zip(pieces, spans):
-            source = block.columns[name]
-            # mode="clip": take's fast path (with "raise" it buffers `out`); `decode` checked the indices
-            (source[:, : shape[0]] if cut else source).take(units, 0, out[start:stop], "clip")
-    return {"buffer": flat, "layout": tuple(shipped)}
-
-
-def finish(batch: dict[str, Any], options: EmbeddingsOptions) -> dict[str, torch.Tensor]:
-    """The batch users get: {field: tensor (B, ...)} in its exact dtype, views of the transit buffer
-    on whatever device it was moved to."""
-    buffer = batch["buffer"]
-    out = {}
-    for name, dtype, shape, offset in batch["layout"]:
-        size = math.prod(shape) * storage_dtype(dtype).itemsize
-        out[name] = buffer[offset : offset + size].view(TORCH_DTYPES[dtype]).view(shape)
-    return out
+    return rows
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -352,39 +254,27 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
-def check_batch(batch: dict[str, Any], options: EmbeddingsOptions, epoch: int) -> list[str]:
-    """What is wrong with a batch (empty if nothing): keys, dtypes, shapes, NaN/Inf, declared
-    ranges and references, row indices."""
-    layout = options.layout(epoch)
-    expected = {name for name, _, _ in layout}
-    if set(batch) != expected:
-        return [f"keys {sorted(batch)}, expected {sorted(expected)}"]
-    b = len(batch[EMB_ROW]) if isinstance(batch[EMB_ROW], torch.Tensor) and batch[EMB_ROW].dim() == 1 else -1
-    problems = []
-    for name, dtype, shape in layout:
-        value = batch[name]
-        if not isinstance(value, torch.Tensor) or value.dtype != TORCH_DTYPES[dtype]:
-            problems.append(f"{name}: {getattr(value, 'dtype', type(value).__name__)}, expected {TORCH_DTYPES[dtype]}")
-        elif tuple(value.shape) != (b, *shape):
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {(b, *shape)}")
-    if problems:
-        return problems
+def _value_problems(batch: dict[str, Any], options: EmbeddingsOptions) -> list[str]:
+    """What is wrong with the values of a batch of the right keys, dtypes and shapes: row indices,
+    NaN/Inf, declared ranges and references."""
+    found = []
     rows = _numpy(batch[EMB_ROW])
     if rows.size and (rows.min() < 0 or rows.max() >= options.rows):
-        problems.append(f"{EMB_ROW}: indices outside [0, {options.rows})")
+        found.append(f"{EMB_ROW}: indices outside [0, {options.rows})")
     if len(np.unique(rows)) != len(rows):
-        problems.append(f"{EMB_ROW}: a row appears twice in the batch")
-    for name, dtype, _ in layout[1:]:
-        problem = value_problem(_numpy(batch[name]), dtype, options.field(name), finite=True)
+        found.append(f"{EMB_ROW}: a row appears twice in the batch")
+    for name in options.selected:
+        field = options.field(name)
+        problem = value_problem(_numpy(batch[name]), field.dtype, field, finite=True)
         if problem is not None:
             row, value, what = problem
-            problems.append(f"{name}: row {int(rows[row])}: value {value}: {what}")
-    return problems
+            found.append(f"{name}: row {int(rows[row])}: value {value}: {what}")
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
 class Embeddings:
-    """The embeddings kind (`pipeline.kinds.Kind`): its options, and the functions above bound to them.
+    """The embeddings kind (`pipeline.kinds.Kind`): its options, and how its blocks become batches.
     Grouped: a batch's rows of one block are decoded together."""
 
     options: EmbeddingsOptions
@@ -394,27 +284,114 @@ class Embeddings:
 
     @classmethod
     def of(cls, manifests: Sequence[Manifest], limits: Any, **options: Any) -> Embeddings:
-        return cls(options_from_manifests(manifests, **options))
+        """The kind for one dataset, or several mixed (same fields, dtypes and shapes required)."""
+        url = "manifest.json"
+        schema, rows = _schema(manifests[0], url)
+        for manifest in manifests[1:]:
+            other, other_rows = _schema(manifest, url)
+            if [f.name for f in other] != [f.name for f in schema]:
+                raise DatasetError(f"cannot mix datasets with fields {[f.name for f in schema]} and "
+                                   f"{[f.name for f in other]}")
+            schema, rows = tuple(_merge(a, b) for a, b in zip(schema, other)), max(rows, other_rows)
+        return cls(EmbeddingsOptions(schema, rows, **options))
 
     @classmethod
     def for_verify(cls, manifest: Manifest) -> Embeddings:
-        return cls(verify_options(manifest))
+        """Every field of every row read and checked (`shard-pack verify`)."""
+        schema, rows = _schema(manifest, "manifest.json")
+        return cls(EmbeddingsOptions(schema, rows, check_values=True))
 
-    def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> Block:
-        return open_block(members, self.options, url=url, key=key, units=units)
+    def open(self, members: dict[str, bytes], *, url: str, key: str, units: int | None = None) -> Block:
+        """A block's columns as views, after checking them against the schema (fields, dtypes, shapes,
+        declared ranges and references; NaN/Inf too with `check_values`) and its rows against the
+        `units` the manifest says it has (None: unchecked)."""
+        options = self.options
+        if set(members) != {EMB_TABLE, EMB_DATA}:
+            raise SampleError(f"members {sorted(members)}, expected {sorted([EMB_TABLE, EMB_DATA])}", url=url, key=key)
+        try:
+            columns = unpack_columns(members[EMB_TABLE], members[EMB_DATA])
+        except (ValueError, msgpack.exceptions.UnpackException) as exc:
+            raise SampleError(f"invalid column table: {exc}", url=url, key=key, field=EMB_TABLE) from exc
+        expected = [EMB_ROW] + [f.name for f in options.schema]
+        if list(columns) != expected:
+            raise SampleError(f"columns {list(columns)}, expected {expected}", url=url, key=key)
+        rows = _row_indices(columns, options, units, url, key)
+        kept = {EMB_ROW: rows}
+        for field in options.schema:
+            dtype, values = columns[field.name]
+            if dtype != field.dtype or values.shape[1:] != field.shape:
+                raise SampleError(f"{dtype}{list(values.shape[1:])} per row, the manifest says "
+                                  f"{field.dtype}{list(field.shape)}", url=url, key=key, field=field.name)
+            if field.range is not None or field.bound is not None or (options.check_values and field.dtype in _FLOATS):
+                problem = value_problem(values, dtype, field, options.check_values)
+                if problem is not None:
+                    row, value, what = problem
+                    raise SampleError(f"row {int(rows[row])}: value {value}: {what}", url=url, key=key,
+                                      field=field.name)
+            if field.name in options.selected:
+                kept[field.name] = values
+        small = np.empty(len(rows), options.small)
+        for name in options.small.names:
+            small[name] = kept[name]
+        return Block(url, key, len(rows), kept, small.view(np.uint8).reshape(len(rows), options.small.itemsize))
 
     def decode(self, block: Block, *, unit: np.ndarray, seed: int, epoch: int, url: str, key: str,
                clock: Clock) -> _Rows:
-        return decode(block, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key)
+        """The batch's rows of one block, as a reference: `collate` gathers them. (The plan gives rows
+        below the manifest's count, which `open` checked against the block's.)"""
+        return _Rows(block, unit, epoch)
 
     def collate(self, pieces: Sequence[_Rows], epoch: int) -> dict[str, Any]:
-        return collate(pieces, self.options)
+        """The batch in transit: one shared-memory byte buffer holding every field, and its layout.
+
+        Each block's rows are gathered with one `take` per field into a contiguous stretch of the
+        batch: a batch holds its rows grouped by block (~2x faster than scattering them to plan order)."""
+        options = self.options
+        b = sum(len(p.units) for p in pieces)
+        layout = options.layout(pieces[0].epoch)  # (the epoch `decode` was given)
+        offsets, total = column_offsets([(name, dtype, (b, *shape)) for name, dtype, shape in layout])
+        flat = empty((total,), torch.uint8)
+        array = flat.numpy()
+        ends = np.cumsum([len(p.units) for p in pieces]).tolist()
+        spans = list(zip([0] + ends[:-1], ends))
+        small = np.empty((b, options.small.itemsize), np.uint8)  # (plain bytes: a structured dtype's take is slow)
+        for (block, units, _), (start, stop) in zip(pieces, spans):
+            block.small.take(units, 0, small[start:stop], "clip")
+        shipped = []
+        for (name, dtype, shape), offset in zip(layout, offsets):
+            size = b * math.prod(shape) * storage_dtype(dtype).itemsize
+            out = array[offset : offset + size].view(storage_dtype(dtype)).reshape(b, *shape)
+            shipped.append((name, dtype, (b, *shape), offset))
+            if name in options.small.names:
+                at = options.small.fields[name][1]
+                out[...] = small[:, at : at + out[0].nbytes].view(storage_dtype(dtype)).reshape(out.shape)
+                continue
+            cut = shape[:1] != options.field(name).shape[:1]  # a scheduled `take`
+            for (block, units, _), (start, stop) in zip(pieces, spans):
+                source = block.columns[name]
+                # mode="clip": take's fast path (with "raise" it buffers `out`); `decode` checked the indices
+                (source[:, : shape[0]] if cut else source).take(units, 0, out[start:stop], "clip")
+        return {"buffer": flat, "layout": tuple(shipped)}
 
     def finish(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return finish(batch, self.options)
+        """The batch users get: {field: tensor (B, ...)} in its exact dtype, views of the transit buffer
+        on whatever device it was moved to."""
+        buffer = batch["buffer"]
+        out = {}
+        for name, dtype, shape, offset in batch["layout"]:
+            size = math.prod(shape) * storage_dtype(dtype).itemsize
+            out[name] = buffer[offset : offset + size].view(TORCH_DTYPES[dtype]).view(shape)
+        return out
 
     def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         return rows_of(batch)
 
+    def fields(self, epoch: int) -> tuple[BatchField, ...]:
+        """A finished batch's fields in `epoch`: `row` and the selected fields, B rows each."""
+        return tuple(BatchField(name, TORCH_DTYPES[dtype], ("B", *shape)) for name, dtype, shape
+                     in self.options.layout(epoch))
+
     def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
-        return check_batch(batch, self.options, epoch)
+        """What is wrong with a finished batch (empty if nothing): keys, dtypes and shapes (`fields`),
+        then row indices, NaN/Inf, declared ranges and references."""
+        return problems(batch, self.fields(epoch)) or _value_problems(batch, self.options)

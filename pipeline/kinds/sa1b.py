@@ -24,32 +24,17 @@ from pipeline.errors import ConfigError, SampleError, excerpt
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
+from pipeline.kinds.schema import BatchField, problems
 from pipeline.rle import RLEError, check, fit, raster_bits
 from pipeline.seeds import Purpose
 from pipeline.stats import Clock
 
 __all__ = [
-    "Sa1bOptions", "decode_image", "choose_masks", "decode_sample", "collate", "finish", "unbatch", "check_batch",
-    "BATCH_FIELDS",
-    "MAX_IMAGE_PIXELS", "annotation_record", "annotation_arrays", "original_record",
-    "Sa1b",
+    "Sa1bOptions", "decode_image", "choose_masks", "MAX_IMAGE_PIXELS", "annotation_record", "annotation_arrays",
+    "original_record", "Sa1b",
 ]
 
-STAGES = ("image", "masks")  # the parts of `decode_sample` it times (`Kind.stages`)
-
-BATCH_FIELDS = {
-    "images": torch.uint8,
-    "masks": torch.bool,
-    "mask_counts": torch.int64,
-    "boxes": torch.float32,
-    "points": torch.float32,
-    "areas": torch.float32,
-    "predicted_ious": torch.float32,
-    "stability_scores": torch.float32,
-    "image_ids": torch.int64,
-    "original_sizes": torch.int64,
-    "image_sizes": torch.int64,
-}
+STAGES = ("image", "masks")  # the parts of `Sa1b.decode` it times (`Kind.stages`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +69,8 @@ class Sa1bOptions:
 
 def _array(record: dict[str, Any], name: str, shape: tuple[int, ...], url: str, key: str) -> np.ndarray:
     try:
-        array = record[name] if isinstance(record[name], np.ndarray) else decode_array(record[name])  # (originals: arrays)
+        value = record[name]
+        array = value if isinstance(value, np.ndarray) else decode_array(value)  # (originals come as arrays)
     except ValueError as exc:
         raise SampleError(str(exc), url=url, key=key, field=name) from exc
     if array.shape != shape:
@@ -112,12 +98,9 @@ def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.
     return np.sort(rng.choice(count, limit, replace=False))
 
 
-def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int = 0, seed: int, epoch: int, url: str,
-                  key: str, clock: Clock | None = None) -> dict[str, Any]:
-    """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is
-    decoded, rasterised bit-packed (`masks_packed`: (k, h, ceil(w / 8)) uint8, as they travel).
-    An original sample (`jpg` + `json`, indexed in place) is checked as packing checks it first."""
-    clock = clock or Clock(STAGES)
+def _record(members: dict[str, bytes], max_pixels: int, url: str, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A sample's record, checked: (image id, height and width; mask counts) and its per-mask columns
+    as arrays. An original sample (`jpg` + `json`, indexed in place) is checked as packing checks it."""
     if SA1B_JSON in members:  # an original sample: its record straight from its JSON, columns as arrays
         record = original_record(members, url, key)
     else:
@@ -130,7 +113,7 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
         image_id, height, width = int(info["image_id"]), int(info["height"]), int(info["width"])
     except (KeyError, TypeError, ValueError) as exc:
         raise SampleError(f"invalid image info {excerpt(repr(info))}", url=url, key=key, field="image") from exc
-    if height < 1 or width < 1 or height * width > options.max_image_pixels:
+    if height < 1 or width < 1 or height * width > max_pixels:
         raise SampleError(f"invalid size {height}x{width}", url=url, key=key, field="image")
     if not isinstance(counts, list) or not all(isinstance(c, bytes) for c in counts):
         raise SampleError("expected a list of byte strings", url=url, key=key, field="counts")
@@ -145,35 +128,8 @@ def decode_sample(members: dict[str, bytes], options: Sa1bOptions, *, unit: int 
     }
     if n and point_counts.min() < 1:
         raise SampleError("every mask needs at least one point", url=url, key=key, field="point_counts")
-
-    chosen = choose_masks(n, options.masks_for(epoch), seed, epoch, key)
-    frame = fit(height, width, options.image_size)
-    mask_frame = frame if options.mask_size is None else fit(height, width, options.mask_size)
-    clock.mark()
-    image = decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels)
-    clock.split("image")
-    try:
-        masks = raster_bits([counts[i] for i in chosen], (height, width), mask_frame)
-    except RLEError as exc:
-        raise SampleError(f"mask {int(chosen[exc.index])}: {exc}", url=url, key=key, field="counts") from exc
-    clock.split("masks")
-
-    (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
-    x, y, bw, bh = columns["bbox"][chosen].T
-    first_point = np.cumsum(point_counts) - point_counts
-    return {
-        "key": key,
-        "image": image,
-        "masks_packed": masks,
-        "boxes": np.clip(np.stack([x * sx, y * sy, (x + bw) * sx, (y + bh) * sy], 1), 0, (w, h, w, h)),
-        "points": np.clip(columns["point_coords"][first_point[chosen]] * (sx, sy), 0, (w, h)),
-        "areas": columns["area"][chosen] * (sx * sy),
-        "predicted_ious": columns["predicted_iou"][chosen],
-        "stability_scores": columns["stability_score"][chosen],
-        "image_id": image_id,
-        "original_size": (height, width),
-        "image_size": frame,
-    }
+    columns["point_counts"] = point_counts
+    return {"image_id": image_id, "height": height, "width": width, "counts": counts}, columns
 
 
 # In transit a batch is four tensors, not eleven (each tensor costs a shared-memory file and a
@@ -182,109 +138,165 @@ _MASK_COLUMNS = (("boxes", 4), ("points", 2), ("areas", 1), ("predicted_ious", 1
 _IMAGE_COLUMNS = (("mask_counts", 1), ("image_ids", 1), ("original_sizes", 2), ("image_sizes", 2))
 
 
-def collate(samples: Sequence[dict[str, Any]], options: Sa1bOptions) -> dict[str, Any]:
-    """A batch in transit (see `finish`): square images padded with zeros, masks bit-packed,
-    per-mask columns stacked and padded with zeros to the largest mask count of the batch; all
-    four on one buffer (`empty`'s: in a worker, one lease and no shared-memory file per batch)."""
-    b, s, m = len(samples), options.image_size, options.mask_frame
-    n = max(len(x["masks_packed"]) for x in samples)
-    layout = [("images", "uint8", (b, 3, s, s)), ("masks_packed", "uint8", (b, n, m, -(-m // 8))),
-              ("columns", "float32", (b, n, sum(width for _, width in _MASK_COLUMNS))),
-              ("info", "int64", (b, sum(width for _, width in _IMAGE_COLUMNS)))]
-    offsets, total = column_offsets(layout)
-    flat = empty((total,), torch.uint8)
-    batch: dict[str, Any] = {}
-    for (name, dtype, shape), offset in zip(layout, offsets):
-        nbytes = math.prod(shape) * storage_dtype(dtype).itemsize
-        batch[name] = flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
-    padded_images([x["image"] for x in samples], s, s, batch["images"])
-    masks, columns = batch["masks_packed"].zero_(), batch["columns"].zero_()
-    batch["info"].copy_(torch.tensor([[len(x["masks_packed"]), x["image_id"], *x["original_size"], *x["image_size"]]
-                                      for x in samples], dtype=torch.int64))
-    for i, x in enumerate(samples):
-        c, mh, mb = x["masks_packed"].shape
-        masks[i, :c, :mh, :mb] = torch.from_numpy(x["masks_packed"])
-        stacked = np.concatenate([np.reshape(x[name], (c, width)) for name, width in _MASK_COLUMNS], axis=1)
-        columns[i, :c] = torch.from_numpy(stacked.astype(np.float32))
-    batch["keys"] = [x["key"] for x in samples]
-    return batch
-
-
 def _split(stacked: torch.Tensor, layout: tuple[tuple[str, int], ...]) -> dict[str, torch.Tensor]:
     parts = stacked.split([width for _, width in layout], dim=-1)
     return {name: (part if width > 1 else part.squeeze(-1)).contiguous() for (name, width), part in zip(layout, parts)}
 
 
-def finish(batch: dict[str, Any], options: Sa1bOptions) -> dict[str, Any]:
-    """The batch users get, on whatever device the transit batch was moved to: masks unpacked to
-    bool (B, N, m, m), columns split into their fields."""
-    return {
-        "images": batch["images"],
-        "masks": unpack_bits(batch["masks_packed"], options.mask_frame),
-        **_split(batch["columns"], _MASK_COLUMNS),
-        **_split(batch["info"], _IMAGE_COLUMNS),
-        "keys": batch["keys"],
-    }
-
-
-def unbatch(batch: dict[str, Any], options: Sa1bOptions) -> list[dict[str, Any]]:
-    """A finished batch's samples (row i of each field, same keys), each with its own `mask_counts`
-    masks only: the padding to the batch's largest count is cut."""
-    per_mask = ("masks", *(name for name, _ in _MASK_COLUMNS))
-    return [{name: value[i, : int(batch["mask_counts"][i])] if name in per_mask else value[i]
-             for name, value in batch.items()} for i in range(len(batch["keys"]))]
-
-
-def check_batch(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list[str]:
-    """What is wrong with a collated batch (empty if nothing): keys, shapes, dtypes, values, padding."""
-    problems = []
-    expected = set(BATCH_FIELDS) | {"keys"}
-    if set(batch) != expected:
-        return [f"keys {sorted(batch)}, expected {sorted(expected)}"]
-    for name, dtype in BATCH_FIELDS.items():
-        if batch[name].dtype != dtype:
-            problems.append(f"{name}: dtype {batch[name].dtype}, expected {dtype}")
-    b, s, m = len(batch["keys"]), options.image_size, options.mask_frame
-    n = batch["masks"].shape[1] if batch["masks"].dim() == 4 else -1
-    shapes = {
-        "images": (b, 3, s, s), "masks": (b, n, m, m), "mask_counts": (b,), "boxes": (b, n, 4), "points": (b, n, 2),
-        "areas": (b, n), "predicted_ious": (b, n), "stability_scores": (b, n), "image_ids": (b,),
-        "original_sizes": (b, 2), "image_sizes": (b, 2),
-    }
-    for name, shape in shapes.items():
-        if tuple(batch[name].shape) != shape:
-            problems.append(f"{name}: shape {tuple(batch[name].shape)}, expected {shape}")
-    if problems:
-        return problems
+def _value_problems(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list[str]:
+    """What is wrong with the values of a batch of the right keys, dtypes and shapes: NaN/Inf, ranges,
+    mask counts, and padding beyond each image's masks."""
+    found = []
     for name in ("boxes", "points", "areas", "predicted_ious", "stability_scores"):
         if not torch.isfinite(batch[name]).all():
-            problems.append(f"{name}: NaN or infinite values")
+            found.append(f"{name}: NaN or infinite values")
+    n, s = batch["masks"].shape[1], options.image_size
     counts, limit = batch["mask_counts"].cpu(), options.masks_for(epoch)
     if counts.numel() and (counts.min() < 0 or counts.max() > min(limit, n)):
-        problems.append(f"mask_counts: {counts.tolist()} outside [0, min(max_masks={limit}, {n})]")
-        return problems
+        found.append(f"mask_counts: {counts.tolist()} outside [0, min(max_masks={limit}, {n})]")
+        return found
     valid = (torch.arange(n)[None, :] < counts[:, None]).to(batch["masks"].device)
     sizes = batch["image_sizes"]
     if (sizes < 1).any() or (sizes > s).any():
-        problems.append(f"image_sizes: {sizes.tolist()} outside [1, {s}]")
+        found.append(f"image_sizes: {sizes.tolist()} outside [1, {s}]")
     frame = sizes.flip(1).repeat(1, 2)[:, None, :].to(batch["boxes"])  # (w, h, w, h) per image
     boxes = batch["boxes"]
     if ((boxes < 0) | (boxes > frame)).any() or (boxes[..., 2:] < boxes[..., :2]).any():
-        problems.append("boxes: outside the image frame or with x1 < x0 / y1 < y0")
+        found.append("boxes: outside the image frame or with x1 < x0 / y1 < y0")
     if ((batch["points"] < 0) | (batch["points"] > frame[..., :2])).any():
-        problems.append("points: outside the image frame")
+        found.append("points: outside the image frame")
     for name in ("predicted_ious", "stability_scores"):
         if ((batch[name] < 0) | (batch[name] > 1)).any():
-            problems.append(f"{name}: values outside [0, 1]")
+            found.append(f"{name}: values outside [0, 1]")
     if (batch["areas"] < 0).any():
-        problems.append("areas: negative values")
+        found.append("areas: negative values")
     for name in ("boxes", "points", "areas", "predicted_ious", "stability_scores"):
         pad = ~valid.reshape(valid.shape + (1,) * (batch[name].dim() - 2))
         if (batch[name] * pad).any():
-            problems.append(f"{name}: non-zero padding beyond mask_counts")
+            found.append(f"{name}: non-zero padding beyond mask_counts")
     if batch["masks"][~valid].any():
-        problems.append("masks: non-zero padding beyond mask_counts")
-    return problems
+        found.append("masks: non-zero padding beyond mask_counts")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Sa1b:
+    """The SA-1B kind (`pipeline.kinds.Kind`): its options, and how its samples become batches."""
+
+    options: Sa1bOptions
+    grouped = False
+    units = False  # one unit per sample: the plan orders samples
+    stages = STAGES
+
+    @classmethod
+    def of(cls, manifests: Sequence[Any], limits: Any, **options: Any) -> Sa1b:
+        return cls(Sa1bOptions(max_image_pixels=limits.max_image_pixels, **options))
+
+    @classmethod
+    def for_verify(cls, manifest: Any) -> Sa1b:
+        """Every mask of every sample decoded (`shard-pack verify`)."""
+        return cls(Sa1bOptions(image_size=256, mask_size=64, max_masks=1 << 30))
+
+    def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> dict[str, bytes]:
+        return members
+
+    def decode(self, members: dict[str, bytes], *, unit: int = 0, seed: int, epoch: int, url: str, key: str,
+               clock: Clock | None = None) -> dict[str, Any]:
+        """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is
+        decoded, rasterised bit-packed (`masks_packed`: (k, h, ceil(w / 8)) uint8, as they travel)."""
+        clock, options = clock or Clock(STAGES), self.options
+        info, columns = _record(members, options.max_image_pixels, url, key)
+        height, width, counts = info["height"], info["width"], info["counts"]
+        chosen = choose_masks(len(counts), options.masks_for(epoch), seed, epoch, key)
+        frame = fit(height, width, options.image_size)
+        mask_frame = frame if options.mask_size is None else fit(height, width, options.mask_size)
+        clock.mark()
+        image = decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels)
+        clock.split("image")
+        try:
+            masks = raster_bits([counts[i] for i in chosen], (height, width), mask_frame)
+        except RLEError as exc:
+            raise SampleError(f"mask {int(chosen[exc.index])}: {exc}", url=url, key=key, field="counts") from exc
+        clock.split("masks")
+
+        (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
+        x, y, bw, bh = columns["bbox"][chosen].T
+        first_point = np.cumsum(columns["point_counts"]) - columns["point_counts"]
+        return {
+            "key": key,
+            "image": image,
+            "masks_packed": masks,
+            "boxes": np.clip(np.stack([x * sx, y * sy, (x + bw) * sx, (y + bh) * sy], 1), 0, (w, h, w, h)),
+            "points": np.clip(columns["point_coords"][first_point[chosen]] * (sx, sy), 0, (w, h)),
+            "areas": columns["area"][chosen] * (sx * sy),
+            "predicted_ious": columns["predicted_iou"][chosen],
+            "stability_scores": columns["stability_score"][chosen],
+            "image_id": info["image_id"],
+            "original_size": (height, width),
+            "image_size": frame,
+        }
+
+    def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
+        """A batch in transit (see `finish`): square images padded with zeros, masks bit-packed,
+        per-mask columns stacked and padded with zeros to the largest mask count of the batch; all
+        four on one buffer (`empty`'s: in a worker, one lease and no shared-memory file per batch)."""
+        b, s, m = len(samples), self.options.image_size, self.options.mask_frame
+        n = max(len(x["masks_packed"]) for x in samples)
+        layout = [("images", "uint8", (b, 3, s, s)), ("masks_packed", "uint8", (b, n, m, -(-m // 8))),
+                  ("columns", "float32", (b, n, sum(width for _, width in _MASK_COLUMNS))),
+                  ("info", "int64", (b, sum(width for _, width in _IMAGE_COLUMNS)))]
+        offsets, total = column_offsets(layout)
+        flat = empty((total,), torch.uint8)
+        batch: dict[str, Any] = {}
+        for (name, dtype, shape), offset in zip(layout, offsets):
+            nbytes = math.prod(shape) * storage_dtype(dtype).itemsize
+            batch[name] = flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
+        padded_images([x["image"] for x in samples], s, s, batch["images"])
+        masks, columns = batch["masks_packed"].zero_(), batch["columns"].zero_()
+        batch["info"].copy_(torch.tensor([[len(x["masks_packed"]), x["image_id"], *x["original_size"],
+                                           *x["image_size"]] for x in samples], dtype=torch.int64))
+        for i, x in enumerate(samples):
+            c, mh, mb = x["masks_packed"].shape
+            masks[i, :c, :mh, :mb] = torch.from_numpy(x["masks_packed"])
+            stacked = np.concatenate([np.reshape(x[name], (c, width)) for name, width in _MASK_COLUMNS], axis=1)
+            columns[i, :c] = torch.from_numpy(stacked.astype(np.float32))
+        batch["keys"] = [x["key"] for x in samples]
+        return batch
+
+    def finish(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch users get, on whatever device the transit batch was moved to: masks unpacked to
+        bool (B, N, m, m), columns split into their fields."""
+        return {
+            "images": batch["images"],
+            "masks": unpack_bits(batch["masks_packed"], self.options.mask_frame),
+            **_split(batch["columns"], _MASK_COLUMNS),
+            **_split(batch["info"], _IMAGE_COLUMNS),
+            "keys": batch["keys"],
+        }
+
+    def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """A finished batch's samples (row i of each field, same keys), each with its own `mask_counts`
+        masks only: the padding to the batch's largest count is cut."""
+        per_mask = ("masks", *(name for name, _ in _MASK_COLUMNS))
+        return [{name: value[i, : int(batch["mask_counts"][i])] if name in per_mask else value[i]
+                 for name, value in batch.items()} for i in range(len(batch["keys"]))]
+
+    def fields(self, epoch: int) -> tuple[BatchField, ...]:
+        """A finished batch's fields: B images, N masks (the batch's largest count, zero-padded)."""
+        s, m = self.options.image_size, self.options.mask_frame
+        return (
+            BatchField("images", torch.uint8, ("B", 3, s, s)),
+            BatchField("masks", torch.bool, ("B", "N", m, m)), BatchField("mask_counts", torch.int64, ("B",)),
+            BatchField("boxes", torch.float32, ("B", "N", 4)), BatchField("points", torch.float32, ("B", "N", 2)),
+            *(BatchField(name, torch.float32, ("B", "N")) for name in ("areas", "predicted_ious", "stability_scores")),
+            BatchField("image_ids", torch.int64, ("B",)), BatchField("original_sizes", torch.int64, ("B", 2)),
+            BatchField("image_sizes", torch.int64, ("B", 2)), BatchField("keys", list, ("B",)),
+        )
+
+    def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
+        """What is wrong with a finished batch (empty if nothing): keys, dtypes and shapes (`fields`),
+        then values, ranges and padding."""
+        return problems(batch, self.fields(epoch)) or _value_problems(batch, self.options, epoch)
 
 
 def _field(obj: Any, name: str, kind: type | tuple[type, ...], where: str, key: str, field: str) -> Any:
@@ -440,7 +452,7 @@ def _checked_columns(annotations: list[Any], height: int, width: int, where: str
 def original_record(members: dict[str, Any], url: str, key: str) -> dict[str, Any]:
     """An original SA-1B sample's (`jpg` + `json`, as Meta ships it) record, its columns as arrays:
     its JSON parsed within size and nesting limits and checked by `annotation_arrays`, as packing
-    checks it (but for the RLE of masks `decode_sample` does not rasterize: it checks those it does)."""
+    checks it (but for the RLE of masks `Sa1b.decode` does not rasterize: it checks those it does)."""
     if set(members) != {SA1B_JPG, SA1B_JSON}:
         raise SampleError(f"members {sorted(members)}, expected {[SA1B_JPG, SA1B_JSON]}", url=url, key=key)
     try:
@@ -450,41 +462,3 @@ def original_record(members: dict[str, Any], url: str, key: str) -> dict[str, An
     record, height, width = annotation_arrays(meta, url, key, every_rle=False)  # (`shard-pack index` checked them all)
     record["stored_size"] = [height, width]  # (the JPEG's size: `shard-pack index` checked it against the JSON's)
     return record
-
-
-@dataclasses.dataclass(frozen=True)
-class Sa1b:
-    """The SA-1B kind (`pipeline.kinds.Kind`): its options, and the functions above bound to them."""
-
-    options: Sa1bOptions
-    grouped = False
-    units = False  # one unit per sample: the plan orders samples
-    stages = STAGES
-
-    @classmethod
-    def of(cls, manifests: Sequence[Any], limits: Any, **options: Any) -> Sa1b:
-        return cls(Sa1bOptions(max_image_pixels=limits.max_image_pixels, **options))
-
-    @classmethod
-    def for_verify(cls, manifest: Any) -> Sa1b:
-        """Every mask of every sample decoded (`shard-pack verify`)."""
-        return cls(Sa1bOptions(image_size=256, mask_size=64, max_masks=1 << 30))
-
-    def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> dict[str, bytes]:
-        return members
-
-    def decode(self, members: dict[str, bytes], *, unit: int, seed: int, epoch: int, url: str, key: str,
-               clock: Clock) -> dict[str, Any]:
-        return decode_sample(members, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key, clock=clock)
-
-    def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
-        return collate(samples, self.options)
-
-    def finish(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return finish(batch, self.options)
-
-    def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        return unbatch(batch, self.options)
-
-    def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
-        return check_batch(batch, self.options, epoch)

@@ -8,7 +8,7 @@ palettes expanded, alpha dropped, 16-bit samples scaled to 8 bits.
 
 Batches (`make_stream_loader`): `images` uint8 (B, 3, H, W), zero-padded to (image_size,
 image_size) or, with `image_size=None`, to the batch's largest height and width; `image_sizes` and
-`original_sizes` int64 (B, 2) as (h, w); strings and original records as lists (see `BATCH_FIELDS`).
+`original_sizes` int64 (B, 2) as (h, w); strings and original records as lists (see `Vqa.fields`).
 The TRL form (`form="trl"`, set by `pipeline.trl_dataset`) gives per-question dicts in the
 conversational form TRL's GRPOTrainer consumes.
 """
@@ -31,22 +31,18 @@ from pipeline.format import (
     VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, unpack_record,
 )
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
+from pipeline.kinds.schema import BatchField, problems
 from pipeline.rle import fit
 from pipeline.stats import Clock
 
-__all__ = [
-    "VqaOptions", "VqaSample", "BATCH_FIELDS", "units", "open_sample", "decode_sample", "collate",
-    "finish", "unbatch", "check_batch", "Vqa",
-]
+__all__ = ["VqaOptions", "VqaSample", "Vqa"]
 
 PER = ("question", "image")
 FORMS = ("batch", "trl")
-# Tensor fields of a batch; the others are lists of B: keys, paths, questions, answers, fields.
-BATCH_FIELDS = {"images": torch.uint8, "image_sizes": torch.int64, "original_sizes": torch.int64}
 _COUNT = {"question": "question_index", "image": "question_counts"}  # the per-sample integer column, per `per`
 LIST_FIELDS = ("keys", "paths", "questions", "answers", "fields")
 _FORMATS = {ext: fmt for fmt, ext in VQA_IMAGE_EXTS.items()}
-STAGES = ("image",)  # the part of `decode_sample` it times (`Kind.stages`)
+STAGES = ("image",)  # the part of `Vqa.decode` it times (`Kind.stages`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,39 +79,13 @@ class VqaSample:
     questions: list[dict[str, Any]]  # VQA_QUESTION_FIELDS each
 
 
-def units(options: VqaOptions) -> bool:
-    """per="question" yields a sample's questions one by one (its units); per="image" the image once."""
-    return options.per == "question"
-
-
 def _check(ok: bool, url: str, key: str, field: str, message: str) -> None:
     if not ok:
         raise SampleError(message, url=url, key=key, field=field)
 
 
-def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key: str, units: int = 1) -> VqaSample:
-    """Unpack and check a sample's record (every field, strictly); the image is not decoded here."""
-    images = [ext for ext in members if ext in _FORMATS]
-    if len(images) != 1 or set(members) != {images[0], VQA_RECORD}:
-        raise SampleError(f"members {sorted(members)}, expected one of "
-                          f"{sorted(_FORMATS)} and {VQA_RECORD!r}", url=url, key=key)
-    ext = images[0]
-    try:
-        record = unpack_record(members[VQA_RECORD])
-    except (ValueError, msgpack.exceptions.UnpackException) as exc:
-        raise SampleError(f"cannot unpack: {exc}", url=url, key=key, field=VQA_RECORD) from exc
-    _check(set(record) == set(VQA_RECORD_FIELDS), url, key, VQA_RECORD,
-           f"fields {sorted(record)}, expected {sorted(VQA_RECORD_FIELDS)}")
-    image, stored, questions = record["image"], record["stored_size"], record["questions"]
-    _check(isinstance(image, dict) and set(image) == set(VQA_IMAGE_FIELDS), url, key, "image",
-           f"expected a map of {sorted(VQA_IMAGE_FIELDS)}")
-    _check(all(isinstance(image[f], str) for f in ("path", "format", "mode", "sha256"))
-           and is_int_at_least(image["width"], 1) and is_int_at_least(image["height"], 1), url, key, "image", "invalid image info")
-    _check(_FORMATS[ext] == image["format"], url, key, "image", f"format {excerpt(repr(image['format']))} in a .{ext} member")
-    _check(isinstance(stored, list) and len(stored) == 2 and all(is_int_at_least(n, 1) for n in stored)
-           and stored[0] * stored[1] <= options.max_image_pixels, url, key, "stored_size",
-           f"invalid stored size {excerpt(repr(stored))}")
-    _check(isinstance(record["split"], str), url, key, "split", "not a string")
+def _check_questions(questions: Any, url: str, key: str) -> None:
+    """A record's questions: a non-empty list of maps of `VQA_QUESTION_FIELDS`, each of its type."""
     _check(isinstance(questions, list) and len(questions) >= 1, url, key, "questions", "expected a non-empty list")
     for i, q in enumerate(questions):
         field = f"questions[{i}]"
@@ -124,35 +94,6 @@ def open_sample(members: dict[str, bytes], options: VqaOptions, *, url: str, key
         _check(all(isinstance(q[f], str) for f in ("question", "answer", "source", "layout"))
                and is_int_at_least(q["record"], 0) and is_int_at_least(q["turn"], 0) and isinstance(q["fields"], dict),
                url, key, field, "invalid question entry")
-    return VqaSample(members[ext], ext, image, (stored[0], stored[1]), questions)
-
-
-def decode_sample(sample: VqaSample, options: VqaOptions, *, unit: int = 0, seed: int, epoch: int, url: str,
-                  key: str, clock: Clock | None = None) -> dict[str, Any]:
-    """One unit: the image in its frame and one question (per="question") or all of them (per="image")."""
-    clock = clock or Clock(STAGES)
-    questions = sample.questions
-    if options.per == "question":
-        _check(unit < len(questions), url, key, "questions", f"question {unit} asked for, the sample holds "
-               f"{len(questions)} (manifest and shard disagree)")
-        questions = [questions[unit]]
-    height, width = sample.stored_size
-    frame = None if options.image_size is None else fit(height, width, options.image_size)
-    clock.mark()
-    pixels = decode_image(sample.data, frame, url, key, options.max_image_pixels, formats=(_FORMATS[sample.ext],),
-                          field=sample.ext, size=sample.stored_size)
-    clock.split("image")
-    return {
-        "key": key,
-        "path": sample.image["path"],
-        "image": pixels,
-        "image_size": tuple(pixels.shape[1:]),
-        "original_size": (sample.image["height"], sample.image["width"]),
-        "count": unit if options.per == "question" else len(questions),
-        "questions": [q["question"] for q in questions],
-        "answers": [q["answer"] for q in questions],
-        "fields": [q["fields"] for q in questions],
-    }
 
 
 def _trl(sample: dict[str, Any]) -> dict[str, Any]:
@@ -170,110 +111,42 @@ def _trl(sample: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def collate(samples: Sequence[dict[str, Any]], options: VqaOptions) -> dict[str, Any] | list[dict[str, Any]]:
-    """A batch in transit (see `finish`): images zero-padded in shared memory, the integer columns
-    stacked into one tensor, strings and records as lists. In the TRL form, a list of the samples' dicts."""
-    if options.form == "trl":
-        return [_trl(x) for x in samples]
-    if options.image_size is not None:
-        height = width = options.image_size
-    else:
-        height, width = (max(x["image_size"][i] for x in samples) for i in (0, 1))
-    images = padded_images([x["image"] for x in samples], height, width)
-    info = torch.tensor([[*x["image_size"], *x["original_size"], x["count"]] for x in samples], dtype=torch.int64)
-    one = options.per == "question"
-    return {
-        "images": images,
-        "info": info,
-        "keys": [x["key"] for x in samples],
-        "paths": [x["path"] for x in samples],
-        **{name: [x[name][0] if one else x[name] for x in samples] for name in ("questions", "answers", "fields")},
-    }
-
-
-def finish(batch: dict[str, Any] | list[dict[str, Any]], options: VqaOptions) -> dict[str, Any] | list[dict[str, Any]]:
-    """The batch users get, on whatever device it was moved to: the stacked column split into its fields
-    (the TRL form's list of samples as it is)."""
-    if options.form == "trl":
-        return batch
-    info = batch["info"]
-    return {
-        "images": batch["images"],
-        "image_sizes": info[:, 0:2].contiguous(),
-        "original_sizes": info[:, 2:4].contiguous(),
-        _COUNT[options.per]: info[:, 4].contiguous(),
-        **{name: batch[name] for name in LIST_FIELDS},
-    }
-
-
-def unbatch(batch: dict[str, Any] | list[dict[str, Any]], options: VqaOptions) -> list[dict[str, Any]]:
-    """A finished batch's samples: row i of each field, same keys; with `image_size=None` each image
-    cut to its own size (the batch pads to its largest). The TRL form is its list."""
-    if options.form == "trl":
-        return batch
-    samples = rows(batch, options)
-    if options.image_size is None:
-        for sample in samples:
-            h, w = sample["image_sizes"].tolist()
-            sample["images"] = sample["images"][:, :h, :w]
-    return samples
-
-
-def check_batch(batch: dict[str, Any], options: VqaOptions, epoch: int) -> list[str]:
-    """What is wrong with a batch (empty if nothing): keys, dtypes, shapes, sizes, padding, lists."""
-    count = _COUNT[options.per]
-    expected = set(BATCH_FIELDS) | {count} | set(LIST_FIELDS)
-    if set(batch) != expected:
-        return [f"keys {sorted(batch)}, expected {sorted(expected)}"]
-    problems = []
-    for name, dtype in {**BATCH_FIELDS, count: torch.int64}.items():
-        if batch[name].dtype != dtype:
-            problems.append(f"{name}: dtype {batch[name].dtype}, expected {dtype}")
-    b = len(batch["keys"])
+def _value_problems(batch: dict[str, Any], options: VqaOptions) -> list[str]:
+    """What is wrong with the values of a batch of the right keys, dtypes and shapes: image sizes and
+    padding, question counts, empty texts."""
+    found = []
     images = batch["images"]
-    if images.dim() != 4 or images.shape[:2] != (b, 3):
-        return problems + [f"images: shape {tuple(images.shape)}, expected ({b}, 3, H, W)"]
     height, width = images.shape[2:]
-    if options.image_size is not None and (height, width) != (options.image_size,) * 2:
-        problems.append(f"images: {height}x{width}, expected {options.image_size}x{options.image_size}")
-    for name, shape in (("image_sizes", (b, 2)), ("original_sizes", (b, 2)), (count, (b,))):
-        if tuple(batch[name].shape) != shape:
-            problems.append(f"{name}: shape {tuple(batch[name].shape)}, expected {shape}")
-    for name in LIST_FIELDS:
-        if not isinstance(batch[name], list) or len(batch[name]) != b:
-            problems.append(f"{name}: expected a list of {b}")
-    if problems:
-        return problems
     sizes = batch["image_sizes"].cpu()
     if (sizes < 1).any() or (sizes[:, 0] > height).any() or (sizes[:, 1] > width).any():
-        problems.append(f"image_sizes: {sizes.tolist()} outside the {height}x{width} batch frame")
+        found.append(f"image_sizes: {sizes.tolist()} outside the {height}x{width} batch frame")
     elif options.image_size is not None and (sizes.max(1).values != options.image_size).any():
-        problems.append(f"image_sizes: {sizes.tolist()}, the long side should be {options.image_size}")
+        found.append(f"image_sizes: {sizes.tolist()}, the long side should be {options.image_size}")
     elif options.image_size is None and (sizes.max(0).values.tolist() != [height, width]):
-        problems.append(f"images: {height}x{width}, more than the largest image {sizes.max(0).values.tolist()}")
+        found.append(f"images: {height}x{width}, more than the largest image {sizes.max(0).values.tolist()}")
     else:
         rows = torch.arange(height)[None, :] >= sizes[:, :1]
         cols = torch.arange(width)[None, :] >= sizes[:, 1:]
         pad = (rows[:, :, None] | cols[:, None, :])[:, None].expand(-1, 3, -1, -1).to(images.device)
         if images[pad].any():
-            problems.append("images: non-zero padding beyond image_sizes")
-    counts = batch[count].cpu()
+            found.append("images: non-zero padding beyond image_sizes")
+    counts = batch[_COUNT[options.per]].cpu()
     if options.per == "question":
         texts = [(q, a) for q, a in zip(batch["questions"], batch["answers"])]
         if (counts < 0).any():
-            problems.append(f"question_index: negative values {counts.tolist()}")
+            found.append(f"question_index: negative values {counts.tolist()}")
     else:
         if [len(q) for q in batch["questions"]] != counts.tolist() or (counts < 1).any():
-            problems.append(f"question_counts: {counts.tolist()} do not match the question lists")
+            found.append(f"question_counts: {counts.tolist()} do not match the question lists")
         texts = [(q, a) for qs, ans in zip(batch["questions"], batch["answers"]) for q, a in zip(qs, ans)]
     if not all(isinstance(q, str) and q and isinstance(a, str) and a for q, a in texts):
-        problems.append("questions/answers: empty or not strings")
-    return problems
+        found.append("questions/answers: empty or not strings")
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
 class Vqa:
-    """The VQA kind (`pipeline.kinds.Kind`): its options, and the functions above bound to them."""
+    """The VQA kind (`pipeline.kinds.Kind`): its options, and how its samples become batches."""
 
     options: VqaOptions
     grouped = False
@@ -291,23 +164,121 @@ class Vqa:
 
     @property
     def units(self) -> bool:
-        return units(self.options)
+        """per="question" yields a sample's questions one by one (its units); per="image" the image once."""
+        return self.options.per == "question"
 
-    def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> VqaSample:
-        return open_sample(members, self.options, url=url, key=key, units=units)
+    def open(self, members: dict[str, bytes], *, url: str, key: str, units: int = 1) -> VqaSample:
+        """Unpack and check a sample's record (every field, strictly); the image is not decoded here."""
+        images = [ext for ext in members if ext in _FORMATS]
+        if len(images) != 1 or set(members) != {images[0], VQA_RECORD}:
+            raise SampleError(f"members {sorted(members)}, expected one of "
+                              f"{sorted(_FORMATS)} and {VQA_RECORD!r}", url=url, key=key)
+        ext = images[0]
+        try:
+            record = unpack_record(members[VQA_RECORD])
+        except (ValueError, msgpack.exceptions.UnpackException) as exc:
+            raise SampleError(f"cannot unpack: {exc}", url=url, key=key, field=VQA_RECORD) from exc
+        _check(set(record) == set(VQA_RECORD_FIELDS), url, key, VQA_RECORD,
+               f"fields {sorted(record)}, expected {sorted(VQA_RECORD_FIELDS)}")
+        image, stored = record["image"], record["stored_size"]
+        _check(isinstance(image, dict) and set(image) == set(VQA_IMAGE_FIELDS), url, key, "image",
+               f"expected a map of {sorted(VQA_IMAGE_FIELDS)}")
+        _check(all(isinstance(image[f], str) for f in ("path", "format", "mode", "sha256"))
+               and is_int_at_least(image["width"], 1) and is_int_at_least(image["height"], 1), url, key, "image",
+               "invalid image info")
+        _check(_FORMATS[ext] == image["format"], url, key, "image",
+               f"format {excerpt(repr(image['format']))} in a .{ext} member")
+        _check(isinstance(stored, list) and len(stored) == 2 and all(is_int_at_least(n, 1) for n in stored)
+               and stored[0] * stored[1] <= self.options.max_image_pixels, url, key, "stored_size",
+               f"invalid stored size {excerpt(repr(stored))}")
+        _check(isinstance(record["split"], str), url, key, "split", "not a string")
+        _check_questions(record["questions"], url, key)
+        return VqaSample(members[ext], ext, image, (stored[0], stored[1]), record["questions"])
 
-    def decode(self, sample: VqaSample, *, unit: int, seed: int, epoch: int, url: str, key: str,
-               clock: Clock) -> dict[str, Any]:
-        return decode_sample(sample, self.options, unit=unit, seed=seed, epoch=epoch, url=url, key=key, clock=clock)
+    def decode(self, sample: VqaSample, *, unit: int = 0, seed: int, epoch: int, url: str, key: str,
+               clock: Clock | None = None) -> dict[str, Any]:
+        """One unit: the image in its frame and one question (per="question") or all of them (per="image")."""
+        clock, options, questions = clock or Clock(STAGES), self.options, sample.questions
+        if options.per == "question":
+            _check(unit < len(questions), url, key, "questions", f"question {unit} asked for, the sample holds "
+                   f"{len(questions)} (manifest and shard disagree)")
+            questions = [questions[unit]]
+        height, width = sample.stored_size
+        frame = None if options.image_size is None else fit(height, width, options.image_size)
+        clock.mark()
+        pixels = decode_image(sample.data, frame, url, key, options.max_image_pixels,
+                              formats=(_FORMATS[sample.ext],), field=sample.ext, size=sample.stored_size)
+        clock.split("image")
+        return {
+            "key": key,
+            "path": sample.image["path"],
+            "image": pixels,
+            "image_size": tuple(pixels.shape[1:]),
+            "original_size": (sample.image["height"], sample.image["width"]),
+            "count": unit if options.per == "question" else len(questions),
+            "questions": [q["question"] for q in questions],
+            "answers": [q["answer"] for q in questions],
+            "fields": [q["fields"] for q in questions],
+        }
 
     def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any] | list[dict[str, Any]]:
-        return collate(samples, self.options)
+        """A batch in transit (see `finish`): images zero-padded in shared memory, the integer columns
+        stacked into one tensor, strings and records as lists. In the TRL form, a list of the samples' dicts."""
+        if self.options.form == "trl":
+            return [_trl(x) for x in samples]
+        if self.options.image_size is not None:
+            height = width = self.options.image_size
+        else:
+            height, width = (max(x["image_size"][i] for x in samples) for i in (0, 1))
+        images = padded_images([x["image"] for x in samples], height, width)
+        info = torch.tensor([[*x["image_size"], *x["original_size"], x["count"]] for x in samples], dtype=torch.int64)
+        one = self.options.per == "question"
+        return {
+            "images": images,
+            "info": info,
+            "keys": [x["key"] for x in samples],
+            "paths": [x["path"] for x in samples],
+            **{name: [x[name][0] if one else x[name] for x in samples] for name in ("questions", "answers", "fields")},
+        }
 
     def finish(self, batch: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any] | list[dict[str, Any]]:
-        return finish(batch, self.options)
+        """The batch users get, on whatever device it was moved to: the stacked column split into its fields
+        (the TRL form's list of samples as it is)."""
+        if self.options.form == "trl":
+            return batch
+        info = batch["info"]
+        return {
+            "images": batch["images"],
+            "image_sizes": info[:, 0:2].contiguous(),
+            "original_sizes": info[:, 2:4].contiguous(),
+            _COUNT[self.options.per]: info[:, 4].contiguous(),
+            **{name: batch[name] for name in LIST_FIELDS},
+        }
 
     def unbatch(self, batch: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return unbatch(batch, self.options)
+        """A finished batch's samples: row i of each field, same keys; with `image_size=None` each image
+        cut to its own size (the batch pads to its largest). The TRL form is its list."""
+        if self.options.form == "trl":
+            return batch
+        samples = rows(batch, self.options)
+        if self.options.image_size is None:
+            for sample in samples:
+                h, w = sample["image_sizes"].tolist()
+                sample["images"] = sample["images"][:, :h, :w]
+        return samples
+
+    def fields(self, epoch: int) -> tuple[BatchField, ...]:
+        """A finished batch's fields (form "batch"): B images, of (image_size, image_size) or, with
+        `image_size=None`, of the batch's largest (H, W); the per-sample integers; lists of B."""
+        s = self.options.image_size
+        return (
+            BatchField("images", torch.uint8, ("B", 3, "H", "W") if s is None else ("B", 3, s, s)),
+            BatchField("image_sizes", torch.int64, ("B", 2)), BatchField("original_sizes", torch.int64, ("B", 2)),
+            BatchField(_COUNT[self.options.per], torch.int64, ("B",)),
+            *(BatchField(name, list, ("B",)) for name in LIST_FIELDS),
+        )
 
     def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
-        return check_batch(batch, self.options, epoch)
+        """What is wrong with a finished batch (empty if nothing): keys, dtypes and shapes (`fields`),
+        then sizes, padding, counts and texts."""
+        return problems(batch, self.fields(epoch)) or _value_problems(batch, self.options)

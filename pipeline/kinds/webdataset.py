@@ -4,13 +4,13 @@ function: `make_stream_loader(root, split, batch_size=..., decode=fn, collate=No
 `decode(sample)` gets a sample as webdataset's own pipelines give it: a dict of its members by
 extension (`"jpg"`, `"seg.png"`, ...) as `bytes`, with `"__key__"` (the sample's key) and
 `"__url__"` (its archive) beside them (in the dict, as webdataset puts them, not as a second
-argument: a function written for a webdataset pipeline's `map` works unchanged), and returns anything `collate` takes (by default torch's
-`default_collate`; the batch reaches you as torch's DataLoader hands batches over, so a tuple
-comes as a list). Members come as bytes, not views, so that what `decode` keeps (a dict of
-them, a lazily decoded image) never pins a shard's memory mapping, and `json.loads` or
-`bytes.decode` work on them as in a webdataset pipeline. Both functions run in the DataLoader
-workers; with `multiprocessing_context="spawn"` they must be picklable (defined at a module's top
-level, not lambdas or local functions).
+argument: a function written for a webdataset pipeline's `map` works unchanged), and returns
+anything `collate` takes (by default torch's `default_collate`; the batch reaches you as torch's
+DataLoader hands batches over, so a tuple comes as a list). Members come as bytes, not views, so
+that what `decode` keeps (a dict of them, a lazily decoded image) never pins a shard's memory
+mapping, and `json.loads` or `bytes.decode` work on them as in a webdataset pipeline. Both
+functions run in the DataLoader workers; with `multiprocessing_context="spawn"` they must be
+picklable (defined at a module's top level, not lambdas or local functions).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch.utils.data import default_collate
 
 from pipeline.collate import rows
 from pipeline.errors import ConfigError, SampleError, ShardstreamError
+from pipeline.kinds.schema import BatchField
 from pipeline.stats import Clock
 
 __all__ = ["WebDataset", "WebDatasetOptions"]
@@ -107,6 +108,10 @@ class WebDataset:
             raise ConfigError(f"flatten needs batches that are a dict of tensors and lists of one length; this collate "
                               f"makes a {type(batch).__name__}: use make_stream_dataset without flatten")
         return rows(batch)
+
+    def fields(self, epoch: int) -> tuple[BatchField, ...]:
+        """None declared: the user's collate decides what a batch holds."""
+        return ()
 
     def check(self, batch: Any, epoch: int) -> list[str]:
         """None of its own: the user's functions decide what a batch holds."""
