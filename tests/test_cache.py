@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import pipeline.storage.cache as cache_module
 from pipeline.errors import ShardError
 from pipeline.storage import ShardCache, locks
 from pipeline.storage.cache import Mismatch
@@ -21,14 +22,22 @@ DATA = random.Random(0).randbytes(3 * 1000 + 17)  # (the same in a spawned proce
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
-def _reader(data: bytes, chunk: int = 100, pause: float = 0.0, gate: threading.Event | None = None):
+def _reader(data: bytes, chunk: int = 100, pause: float = 0.0, gate: threading.Event | None = None,
+            hold: threading.Event | None = None):
     """`read(start, end)` over `data`, in chunks; with a gate, it stops before the chunk that reaches
-    past half of the data until the gate opens."""
+    past half of the data until the gate opens; with a hold, before the last chunk until it opens
+    (a gate or hold not opened within a minute fails the download)."""
+
+    def wait(event: threading.Event) -> None:
+        if not event.wait(60):
+            raise AssertionError("the test never let the download go on")
 
     def read(start: int, end: int):
         for at in range(start, end, chunk):
             if gate is not None and at + chunk > len(data) // 2:
-                gate.wait(10)
+                wait(gate)
+            if hold is not None and at + chunk >= len(data):
+                wait(hold)
             time.sleep(pause)
             yield data[at : min(at + chunk, end)]
 
@@ -43,30 +52,45 @@ def test_a_download_in_pieces_is_the_shard_and_leaves_no_debris(tmp_path, parall
     assert sorted(os.listdir(tmp_path)) == sorted([f"{SHA}.tar", f"{SHA}.tar.ok"])
 
 
-def test_bytes_are_read_while_the_shard_arrives(tmp_path):
+def test_bytes_are_read_while_the_shard_arrives(tmp_path, monkeypatch):
     """A reader takes bytes of the first half while the download is held before the second half; it
-    waits for bytes of the second half until they arrive."""
-    cache, gate = ShardCache(str(tmp_path), 1 << 20), threading.Event()
-    download = threading.Thread(target=cache.fetch, args=("u", len(DATA), SHA, _reader(DATA, gate=gate)),
+    waits for bytes of the second half until they arrive (the download is held again before its last
+    chunk, so that it cannot end before the waiting reader has its bytes)."""
+    cache, gate, hold = ShardCache(str(tmp_path), 1 << 20), threading.Event(), threading.Event()
+    looked = threading.Event()  # the waiting reader looked for bytes 2000-2100 and found them not there
+    covered = cache_module._covered
+
+    def watched(table, start, end):
+        found = covered(table, start, end)
+        if (start, end) == (2000, 2100) and not found and threading.current_thread().name == "waiter":
+            looked.set()
+        return found
+
+    monkeypatch.setattr(cache_module, "_covered", watched)
+    download = threading.Thread(target=cache.fetch, args=("u", len(DATA), SHA, _reader(DATA, gate=gate, hold=hold)),
                                 kwargs=dict(parallel=1))
     download.start()
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while (got := cache.read_arriving(SHA, 10, 400, patience=0.05)) is None and time.monotonic() < deadline:
             pass
         assert got == DATA[10:400]
         assert cache.lookup("u", SHA) is None  # (not in place yet)
         assert cache.read_arriving(SHA, 2000, 2100, patience=0.1) is None  # (not there, and impatient)
         later = []
-        waiter = threading.Thread(target=lambda: later.append(cache.read_arriving(SHA, 2000, 2100, patience=10)))
+        waiter = threading.Thread(target=lambda: later.append(cache.read_arriving(SHA, 2000, 2100, patience=60)),
+                                  name="waiter")
         waiter.start()
-        time.sleep(0.1)
-        gate.set()
-        waiter.join(10)
-        assert later in ([DATA[2000:2100]], [None])  # (None: it finished between two looks: then it is in place)
+        assert looked.wait(30), "the reader never looked for the bytes"
+        assert waiter.is_alive() and later == []  # (it waits: the bytes are not there)
+        gate.set()  # (the download goes on to its last chunk, and holds there)
+        waiter.join(60)
+        assert later == [DATA[2000:2100]]
+        assert cache.lookup("u", SHA) is None  # (still arriving: the bytes were read from the download)
     finally:
         gate.set()
-        download.join(10)
+        hold.set()
+        download.join(60)
     assert open(cache.lookup("u", SHA), "rb").read() == DATA
     assert cache.read_arriving(SHA, 0, 10) is None  # (no download running)
 
@@ -93,9 +117,15 @@ def test_a_killed_download_is_not_waited_for_and_is_redone(tmp_path):
     finally:
         process.kill()
         process.join()
-    start = time.monotonic()
-    assert cache.read_arriving(SHA, 500, 600, patience=30) is None
-    assert time.monotonic() - start < 5  # (the download's lock is gone: nobody is writing it)
+    # A reader that waited for bytes that never come would wait an hour: it returns only because it
+    # finds the download's lock let go (nobody is writing it). The join's bound fails the test.
+    later = []
+    reader = threading.Thread(target=lambda: later.append(cache.read_arriving(SHA, 500, 600, patience=3600)),
+                              daemon=True)
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive(), "the reader waits for a download whose process was killed"
+    assert later == [None]
     assert open(cache.fetch("u", len(DATA), SHA, _reader(DATA)), "rb").read() == DATA
 
 

@@ -280,13 +280,13 @@ def test_a_first_batch_taken_alone_does_not_hold_the_next_iteration(sa1b_dataset
     with it; a worker of that iteration that reaches its read-ahead gate after the next iteration
     began must not wait for the next iteration's first batch: the main process waits for that
     worker to begin the next iteration (`make demo`'s epoch 0 took 10.2 s instead of 0.1). The gate
-    is checked late on purpose here; a wait that runs into its bound is an error."""
+    is checked late on purpose here; a wait that runs into its bound (the library's own) is an error."""
     waited, wait = tmp_path / "waited", FirstOut.wait
 
     def late(self, ticket, timeout):
         time.sleep(0.3)  # (the worker comes to the gate after the main process began the next iteration)
-        if not wait(self, ticket, 3.0):
-            waited.write_text("a worker waited out its bound")
+        if not wait(self, ticket, timeout):  # (it gave up: the first batch of its iteration never came out)
+            waited.write_text(f"a worker waited out its bound for iteration {ticket}")
         return True
 
     monkeypatch.setattr(FirstOut, "wait", late)  # (forked workers inherit it)

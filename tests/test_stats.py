@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline import LoaderConfig, LoaderStats, make_stream_dataset, make_stream_loader
+from pipeline.kinds import sa1b
 from pipeline.stats import Clock, WorkerTable
 from shard_tools.embeddings import pack_embeddings
 from shard_tools.pack import PackOptions
@@ -22,14 +23,55 @@ from test_loader import corrupted  # noqa: F401  (a fixture: one sample's annota
 SMALL = dict(image_size=64, mask_size=32, max_masks=5)
 
 
-def _timed_epoch(loader, epoch: int = 0, step: float = 0.0) -> tuple[float, int, int]:
-    """(seconds of a whole epoch as the loop sees it, batches, samples); `step` s of sleep per batch."""
+MS = 1_000_000  # nanoseconds
+
+
+class FakeClock:
+    """`time.perf_counter_ns` for the loader's clocks: it stands still but where a test moves it. A
+    forked worker moves its own copy (spawned workers do not see it)."""
+
+    def __init__(self) -> None:
+        self.now = 1 << 40
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, ns: int) -> None:
+        self.now += ns
+
+
+@pytest.fixture
+def fake_clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(time, "perf_counter_ns", fake)
+    return fake
+
+
+class Costs:
+    """What the SA-1B kind's image decoding, mask rasterizing and `finish` cost on the fake clock:
+    each moves it by its nanoseconds before doing its work (in the process that does it)."""
+
+    def __init__(self, monkeypatch, clock: FakeClock) -> None:
+        self.image = self.masks = self.finish = 0
+        for name, cost in (("decode_image", "image"), ("raster_bits", "masks")):
+            monkeypatch.setattr(sa1b, name, self._costing(clock, getattr(sa1b, name), cost))
+        monkeypatch.setattr(sa1b.Sa1b, "finish", self._costing(clock, sa1b.Sa1b.finish, "finish"))
+
+    def _costing(self, clock: FakeClock, work, cost: str):
+        def costing(*args, **kwargs):
+            clock.advance(getattr(self, cost))
+            return work(*args, **kwargs)
+        return costing
+
+
+def _timed_epoch(loader, epoch: int = 0, step=lambda: None) -> tuple[int, int]:
+    """(batches, samples) of a whole epoch; `step()` after each batch (the training step)."""
     loader.set_epoch(epoch)
-    start, batches, samples = time.perf_counter(), 0, 0
+    batches, samples = 0, 0
     for batch in loader:
         batches, samples = batches + 1, samples + len(batch["keys"])
-        time.sleep(step)
-    return time.perf_counter() - start, batches, samples
+        step()
+    return batches, samples
 
 
 def _worker_laws(stats: LoaderStats) -> None:
@@ -38,37 +80,45 @@ def _worker_laws(stats: LoaderStats) -> None:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_the_figures_add_up_to_the_wall_time(sa1b_dataset, workers):
+def test_the_figures_add_up_to_the_wall_time(sa1b_dataset, workers, fake_clock, monkeypatch):
+    """On a clock that moves only by the work's costs (the step, `finish`, image and mask decoding),
+    each figure is exactly its work's time, and the main process's add up to the wall time the loop
+    sees. With num_workers=0 the workers' work is done in the hand-off; forked workers move their own
+    copy of the clock, so the main process's hand-off (its wait for them) is 0 on it."""
+    costs = Costs(monkeypatch, fake_clock)
+    costs.image, costs.masks, costs.finish, step = 5 * MS, 2 * MS, 3 * MS, 100 * MS
     loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=workers, **SMALL)
-    wall, batches, samples = _timed_epoch(loader, step=0.01)
+    start = fake_clock()
+    batches, samples = _timed_epoch(loader, step=lambda: fake_clock.advance(step))
+    wall = fake_clock() - start
     stats = loader.stats()
-    assert (stats.batches, stats.samples, stats.skipped) == (batches, samples, 0)
-    assert sum(stats.main.values()) == pytest.approx(stats.wall_s)
-    assert wall * 0.9 - 0.005 <= stats.wall_s <= wall  # (the loop's `for` costs a little outside the loader)
-    assert all(seconds >= 0 for seconds in stats.main.values()), stats.main
-    assert stats.main["training loop"] >= 0.01 * batches
-    assert stats.main["device copy"] < 0.1 * stats.wall_s  # (no device: a generator's step per batch)
-    _worker_laws(stats)
-    if workers == 0:  # the hand-off is the workers' work, done in this process
-        assert stats.main["hand-off"] >= sum(stats.workers.values())
+    assert (stats.batches, stats.samples, stats.skipped) == (batches, samples, 0) and batches > 1
+    decode = samples * (costs.image + costs.masks) / 1e9
+    assert stats.main == pytest.approx({"hand-off": decode if workers == 0 else 0.0, "device copy": 0.0,
+                                        "finish": batches * costs.finish / 1e9, "other": 0.0,
+                                        "training loop": batches * step / 1e9}), stats.main
+    assert stats.wall_s == pytest.approx(wall / 1e9) == pytest.approx(sum(stats.main.values()))
+    assert stats.workers == pytest.approx({"read wait": 0.0, "open": 0.0, "decode (image)": samples * costs.image / 1e9,
+                                           "decode (masks)": samples * costs.masks / 1e9, "decode (rest)": 0.0,
+                                           "collate": 0.0, "other": 0.0}), stats.workers
 
 
-def test_a_slow_step_is_compute_bound_and_a_slow_input_input_bound(sa1b_dataset):
+def test_a_slow_step_is_compute_bound_and_a_slow_input_input_bound(sa1b_dataset, fake_clock, monkeypatch):
+    """The verdict follows the share of the wall time the step waited: on the fake clock, a step of
+    200 ms beside 2 ms of decoding a batch waits 2/202 of the time; 1 ms beside 201 ms, 201/202."""
+    costs = Costs(monkeypatch, fake_clock)
+    costs.image, costs.masks = 1 * MS, 1 * MS
     slow_step = make_stream_loader(sa1b_dataset, "train", batch_size=1, **SMALL)
-    batches = iter(slow_step)
-    next(batches)
-    slow_step.stats(reset=True)  # (the first batch waits for the readers to start)
-    for _ in batches:
-        time.sleep(0.2)
+    _timed_epoch(slow_step, step=lambda: fake_clock.advance(200 * MS))
     stats = slow_step.stats()
-    assert stats.verdict.startswith("compute-bound:") and stats.waited < 0.1, str(stats)
+    assert stats.waited == pytest.approx(2 / 202) and stats.verdict.startswith("compute-bound:"), str(stats)
 
-    slow_input = make_stream_loader(sa1b_dataset, "train", batch_size=1, image_size=512, mask_size=512)
-    list(slow_input)
+    costs.image = 200 * MS
+    slow_input = make_stream_loader(sa1b_dataset, "train", batch_size=1, **SMALL)
+    _timed_epoch(slow_input, step=lambda: fake_clock.advance(1 * MS))
     stats = slow_input.stats()
-    assert stats.verdict.startswith("input-bound:") and stats.waited > 0.5, str(stats)
-    assert "dominates the workers' time" in stats.verdict
-    assert max(stats.workers, key=stats.workers.__getitem__) in stats.verdict
+    assert stats.waited == pytest.approx(201 / 202) and stats.verdict.startswith("input-bound:"), str(stats)
+    assert stats.verdict.endswith("; decode (image) dominates the workers' time"), stats.verdict
 
 
 @pytest.mark.parametrize("persistent, context", [(True, None), (False, None), (False, "spawn")])
@@ -76,7 +126,7 @@ def test_workers_figures_reach_the_main_process_every_epoch(sa1b_dataset, persis
     loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, persistent_workers=persistent,
                                 multiprocessing_context=context, **SMALL)
     for epoch in range(2):
-        _, batches, samples = _timed_epoch(loader, epoch)
+        batches, samples = _timed_epoch(loader, epoch)
         stats = loader.stats(reset=True)
         assert (stats.batches, stats.samples) == (batches, samples)
         _worker_laws(stats)
@@ -86,7 +136,7 @@ def test_workers_figures_reach_the_main_process_every_epoch(sa1b_dataset, persis
 def test_a_skipped_sample_counts_as_skipped_not_as_a_sample(corrupted):  # noqa: F811  (the fixture imported)
     root, _, _ = corrupted
     loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, on_error="skip", **SMALL)
-    _, batches, samples = _timed_epoch(loader)
+    batches, samples = _timed_epoch(loader)
     stats = loader.stats()
     assert (stats.batches, stats.samples, stats.skipped) == (batches, samples, 1)
     assert all(seconds >= 0 for seconds in stats.workers.values()), stats.workers
@@ -144,43 +194,47 @@ def test_each_kind_shows_its_own_decode_stages(tmp_path):
     assert [name for name in stats.workers if name.startswith("decode")] == ["decode (image)", "decode (rest)"]
 
 
-def test_a_stage_is_timed_by_its_block_and_not_when_an_error_leaves_it():
+def test_a_stage_is_timed_by_its_block_and_not_when_an_error_leaves_it(fake_clock):
     clock = Clock(("a", "b"))
+    fake_clock.advance(7 * MS)  # (before the block: not its)
     with clock.stage("a"):
-        time.sleep(0.01)
+        fake_clock.advance(10 * MS)
     with pytest.raises(ValueError), clock.stage("b"):
+        fake_clock.advance(3 * MS)
         raise ValueError("b failed")
-    assert clock.ns["a"] >= 10_000_000 and clock.ns["b"] == 0
+    assert clock.ns == {"a": 10 * MS, "b": 0}
     with pytest.raises(KeyError):
         clock.stage("c")
 
 
-def test_with_a_rest_the_stages_add_up_to_all_the_time_since_mark():
+def test_with_a_rest_the_stages_add_up_to_all_the_time_since_mark(fake_clock):
     clock = Clock(("a", "other"), rest="other")
+    fake_clock.advance(7 * MS)  # (before the mark: not counted)
     start = clock.mark()
-    time.sleep(0.002)
+    fake_clock.advance(2 * MS)
     with clock.stage("a"):
-        time.sleep(0.002)
-    time.sleep(0.002)
+        fake_clock.advance(3 * MS)
+    fake_clock.advance(4 * MS)
     with clock.stage("a"):
         pass
-    assert sum(clock.ns.values()) == clock.last - start
-    assert clock.ns["other"] >= 4_000_000 and clock.ns["a"] >= 2_000_000
+    assert sum(clock.ns.values()) == clock.last - start == 9 * MS
+    assert clock.ns == {"a": 3 * MS, "other": 6 * MS}
 
 
-def test_a_workers_batch_counts_its_making_not_its_wait_to_be_asked_for():
+def test_a_workers_batch_counts_its_making_not_its_wait_to_be_asked_for(fake_clock):
     table = WorkerTable((), 1)
     clock = table.clock()
 
     def made():
         for samples in (2, 3):
+            fake_clock.advance(1 * MS)  # (the batch's making, in no stage)
             with clock.stage("collate"):
-                time.sleep(0.005)
+                fake_clock.advance(5 * MS)
             yield "batch", samples
 
     for batch in table.timed(0, clock, made()):
         assert batch == "batch"
-        time.sleep(0.1)
+        fake_clock.advance(100 * MS)  # (the wait to be asked for the next)
     figures = dict(zip((*table.stages, "samples", "batches"), table.totals().tolist()))
     assert (figures["samples"], figures["batches"]) == (5, 2)
-    assert figures["collate"] >= 10_000_000 and figures["collate"] <= figures["active"] < 100_000_000
+    assert (figures["collate"], figures["active"]) == (10 * MS, 12 * MS)

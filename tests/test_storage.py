@@ -386,16 +386,40 @@ def test_an_epoch_under_30_percent_throttling_finishes(remote, sa1b_dataset, pro
     assert proxy.served("slowdown") >= 0.25 * len(proxy.gets()) >= 5
 
 
-def test_throttling_past_its_time_budget_fails_naming_it_and_other_faults_keep_exact_tries(remote, proxy):
+class _RetryClock:
+    """The retry policy's `time` and `random` (`storage.retry`): a clock that moves only by its waits,
+    and the middle of each jitter range."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    @staticmethod
+    def uniform(low: float, high: float) -> float:
+        return (low + high) / 2
+
+
+def test_throttling_past_its_time_budget_fails_naming_it_and_other_faults_keep_exact_tries(remote, proxy,
+                                                                                          monkeypatch):
+    """On the policy's own clock (its waits move it; the requests take no time on it): waits of 0.125
+    s, then 0.25 s, keep a throttled request within its 1 s budget up to its 5th failure, whose wait
+    would end at 1.125 s; from there throttling uses up tries: with attempts=2, the 6th failure ends it."""
+    clock = _RetryClock()
+    monkeypatch.setattr(storage.retry, "time", clock)
+    monkeypatch.setattr(storage.retry, "random", clock)
     shard = f"{remote}/train-000000.tar"
-    reader = ranged_reader(shard, storage_options(proxy.endpoint), Retry(attempts=2, initial_delay=0.05,
-                                                                         max_delay=0.1, throttle_seconds=1.0))
+    reader = ranged_reader(shard, storage_options(proxy.endpoint), Retry(attempts=2, initial_delay=0.125,
+                                                                         max_delay=0.25, throttle_seconds=1.0))
     proxy.fault("slowdown", count=1000)
-    start = time.monotonic()
-    with pytest.raises(ShardError, match=r"cannot read bytes 0-100 after \d+ tries over 1\.\d s of throttling "
+    with pytest.raises(ShardError, match=r"cannot read bytes 0-100 after 6 tries over 1\.1 s of throttling "
                                          r"\(throttle_seconds=1\): S3Error: 503 SlowDown"):
         reader.read(0, 100)
-    assert 1.0 <= time.monotonic() - start < 3 and proxy.served("slowdown") > 5
+    assert proxy.served("slowdown") == 6 and clock.now == 1000.0 + 0.125 + 4 * 0.25
     proxy.clear()
     proxy.fault("reset", count=1000)
     with pytest.raises(ShardError, match=r"cannot read bytes 0-100 after 2 tries: "):
