@@ -95,7 +95,8 @@ def resolve(index: SplitIndex, where: Where, shard_indexes: Mapping[int, ShardIn
                    tuple(ranges))
 
 
-def locate(index: SplitIndex, items: np.ndarray, unit_starts: Mapping[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def locate(index: SplitIndex, items: np.ndarray,
+           unit_starts: Mapping[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(sample number, unit within the sample) of each plan item. `unit_starts`: for each shard the
     items touch, its samples' first units (`ShardIndex.unit_starts`; needed when the plan orders units)."""
     shard = index.shards_of(items)

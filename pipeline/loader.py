@@ -280,8 +280,9 @@ def _world(rank: int | None, world_size: int | None) -> World:
         if group_size % world_size or (world_size == group_size and rank != group_rank):
             raise ConfigError(
                 f"rank={rank}, world_size={world_size} disagree with torch.distributed (rank {group_rank} of "
-                f"{group_size}): pass neither to use torch.distributed's, world_size=1 for every process to read the whole split, or "
-                f"for data-parallel replicas a world_size dividing {group_size} with rank the replica's index")
+                f"{group_size}): pass neither to use torch.distributed's, world_size=1 for every process to read "
+                f"the whole split, or for data-parallel replicas a world_size dividing {group_size} with rank the "
+                "replica's index")
     return world
 
 
@@ -293,9 +294,9 @@ def _check_picklable(kind: Kind, method: str) -> None:
     try:
         pickle.dumps(kind.options)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        raise ConfigError(f"multiprocessing_context={method!r} sends the dataset to the workers by pickle, and an option "
-                          f"of the kind cannot be pickled ({exc}): define functions such as decode= and collate= at a "
-                          "module's top level (not a lambda or a local function), or use 'fork'") from exc
+        raise ConfigError(f"multiprocessing_context={method!r} sends the dataset to the workers by pickle, and an "
+                          f"option of the kind cannot be pickled ({exc}): define functions such as decode= and "
+                          "collate= at a module's top level (not a lambda or a local function), or use 'fork'") from exc
 
 
 def _config(config: LoaderConfig | None, settings: dict[str, Any]) -> tuple[LoaderConfig, dict[str, Any]]:
@@ -332,7 +333,8 @@ def _manifests(roots: list[str], split: str, config: LoaderConfig) -> list[Manif
     if cache is not None:
         largest = max((int(m.splits[split].shard_bytes.max(initial=0)) for m in manifests), default=0)
         if cache.limit < largest:
-            raise ConfigError(f"cache_limit={cache.limit} cannot hold the largest shard of split {split!r} ({largest} bytes)")
+            raise ConfigError(f"cache_limit={cache.limit} cannot hold the largest shard of split {split!r} "
+                              f"({largest} bytes)")
     return manifests
 
 

@@ -45,7 +45,8 @@ class ShardStream(IterableDataset):
     whoever iterates reads the rank's whole share, in any DataLoader worker."""
 
     def __init__(self, sources: list[SplitIndex], mix: Mix | None, kind: Kind, config: LoaderConfig, world: World,
-                 *, max_workers: int, finished: bool = False, flatten: bool = False, split_workers: bool = True) -> None:
+                 *, max_workers: int, finished: bool = False, flatten: bool = False,
+                 split_workers: bool = True) -> None:
         self.sources, self.mix, self.kind, self.config = sources, mix, kind, config
         self.total = epoch_samples([s.sizes for s in sources], mix)  # items in an epoch, before the split over ranks
         self.rank, self.world_size = world.rank, world.world_size

@@ -185,7 +185,7 @@ def sample_members(data: bytes | memoryview, url: str, key: str,
     except ValueError as exc:
         raise ShardError(f"unsafe sample key in the index: {exc}", url=url) from exc
     if bytes(data[:2]) == b"\x1f\x8b":
-        raise ShardError(f"gzip-compressed data; only uncompressed tar shards are read", url=url, key=key)
+        raise ShardError("gzip-compressed data; only uncompressed tar shards are read", url=url, key=key)
     members: list[tuple[str, int, int]] = []
     view = memoryview(data)
     pos = 0

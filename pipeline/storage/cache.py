@@ -99,7 +99,8 @@ class _Download:
             if self.error is not None:
                 raise self.error
             return digest.hexdigest()
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(parallel, len(self.pieces))), "shardstream-piece") as pool:
+        threads = max(1, min(parallel, len(self.pieces)))
+        with concurrent.futures.ThreadPoolExecutor(threads, "shardstream-piece") as pool:
             for number in range(len(self.pieces)):
                 pool.submit(self._piece, number)
             try:

@@ -34,8 +34,9 @@ _OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY  # (a FIFO or a
 
 
 def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+    for test, what in kinds:
         if test(mode):
             return what
     return "not a regular file"
