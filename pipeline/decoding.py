@@ -1,4 +1,5 @@
-"""The decode stage of a worker: a batch's samples taken from the read stage and decoded by the kind, failures
+"""The decode stage of a worker: a batch's samples taken from the read stage, opened and decoded by the kind
+(a sample of several units opened once and kept open for the rest: `read.Opened`), failures
 counted and left out under on_error="skip" within the iteration's budget, then collated into
 buffers the main process lends back (`collate.Leases`)."""
 
@@ -16,7 +17,7 @@ from pipeline.config import LoaderConfig
 from pipeline.errors import ConfigError, ShardError, ShardstreamError, about_sample
 from pipeline.index import Located, SplitIndex
 from pipeline.kinds import Kind
-from pipeline.read import SampleReads
+from pipeline.read import Opened, SampleReads
 from pipeline.stats import Clock
 
 __all__ = ["Decoder"]
@@ -32,21 +33,34 @@ class Decoder:
         self.sources, self.kind, self.config, self.skipped = sources, kind, config, skipped
         self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
 
-    def open(self, members: dict[str, Any], url: str, key: str, units: int) -> Any:
-        return self.kind.open(members, url=url, key=key, units=units)
+    def _open(self, reads: SampleReads, opened: Opened, sample: Located, clock: Clock) -> Any:
+        """The sample opened by the kind: kept from an earlier unit, or taken from the read stage (and
+        kept when more units of it are to come)."""
+        found = opened.get(sample.where)
+        if found is not None:
+            opened.move_to_end(sample.where)
+            return found[0]
+        keep = sample.units > 1 and self.sources[sample.where[0]].by_units
+        members, held = reads.take(sample, keep)
+        clock.mark()
+        result = self.kind.open(members, url=sample.url, key=sample.key, units=sample.units)
+        clock.split("open")
+        if keep:
+            opened.keep(sample.where, (result, held))
+        return result
 
-    def decode(self, reads: SampleReads, work: Sequence[tuple[Located, Any]], epoch: int, worker: int,
-               budget: int | None, clock: Clock) -> tuple[list[Any], int]:
+    def decode(self, reads: SampleReads, opened: Opened, work: Sequence[tuple[Located, Any]], epoch: int,
+               worker: int, budget: int | None, clock: Clock) -> tuple[list[Any], int]:
         """The batch's decoded samples and how many of its units failed; with on_error="skip", those
         that fail are counted and left out (more than `budget` in this iteration of the rank: an error)."""
         cfg, pieces, lost = self.config, [], 0
         for sample, unit in work:
             try:
-                opened = reads.take(sample)
                 try:
                     with about_sample(sample.url, sample.key):
-                        pieces.append(self.kind.decode(opened, unit=unit, seed=cfg.seed, epoch=epoch, url=sample.url,
-                                                       key=sample.key, clock=clock))
+                        pieces.append(self.kind.decode(self._open(reads, opened, sample, clock), unit=unit,
+                                                       seed=cfg.seed, epoch=epoch, url=sample.url, key=sample.key,
+                                                       clock=clock))
                 finally:
                     reads.done(sample)
             except ShardstreamError as exc:

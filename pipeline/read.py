@@ -1,9 +1,8 @@
 """The read stage: samples' bytes fetched in reader threads ahead of their use, each by the way its
 shard is read (`storage.ShardReader.way`), checked (shard size, sample size, tar members), and
-samples of several units kept open for their next units.
+the samples of several units that the decode stage keeps open (`Opened`) for their next units.
 
-It takes samples located already (`index.Located`) and knows nothing of kinds: it parses a
-sample's tar members and hands them to the `open` function it is given (the kind's)."""
+It takes samples located already (`index.Located`), gives their tar members, and knows nothing of kinds."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,6 @@ from pipeline.tario import ReadLimits, parse_sample
 
 __all__ = ["Opened", "ProcessReaders", "SampleReads", "merge_spans"]
 
-Open = Callable[[dict[str, Any], str, str, int], Any]  # (members, url, key, units) -> an opened sample
 Pieces = list[tuple[int, bytes | memoryview, Members | None]]  # a sample's ranges read: (start, bytes, members)
 
 log = logging.getLogger(__name__)
@@ -163,17 +161,17 @@ class _Spans:
 
 class SampleReads:
     """One iteration's reads: each sample's bytes asked for once (`ahead`), in `read_threads` threads,
-    with its shard's size checked beside the first one; `take` waits for a sample and opens it (the
-    time of each on `clock`: "read", "open").
+    with its shard's size checked beside the first one; `take` waits for a sample's bytes (the time
+    on `clock`: "read") and gives its members.
 
     From object storage (with `read_ahead_bytes`), the samples asked for together are read by
     shard in merged byte spans (`merge_spans`): one request serves many samples. Local shards are
     mapped, so each sample is a view of its own."""
 
-    def __init__(self, sources: Sequence[SplitIndex], readers: list[ShardReader], opened: Opened,
-                 config: LoaderConfig, open: Open, clock: Clock | None = None) -> None:
-        self.sources, self.readers, self.opened, self.limits, self.open = sources, readers, opened, config.limits, open
-        self.clock = clock or Clock(("read", "open"))
+    def __init__(self, sources: Sequence[SplitIndex], readers: list[ShardReader], config: LoaderConfig,
+                 clock: Clock | None = None) -> None:
+        self.sources, self.readers, self.limits = sources, readers, config.limits
+        self.clock = clock or Clock(("read",))
         self.pool = concurrent.futures.ThreadPoolExecutor(config.read_threads, thread_name_prefix="shardstream-read")
         self.on_error = config.on_error
         self.sized: dict[str, concurrent.futures.Future[None]] = {}  # shards' size checks, by URL
@@ -195,11 +193,11 @@ class SampleReads:
         return {i: reader.index(split[i]) for i in shards}
 
     def ahead(self, samples: list[Located]) -> None:
-        """Ask for these samples' bytes, but for those open or asked for already; from object storage,
-        those of one shard together (`_read_spans`)."""
+        """Ask for these samples' bytes, but for those asked for already; from object storage, those of
+        one shard together (`_read_spans`)."""
         by_shard: dict[tuple[int, str], list[Located]] = {}
         for sample in samples:
-            if sample.where in self.opened or sample.where in self.inflight:
+            if sample.where in self.inflight:
                 continue
             self._check_size(sample)
             if self.spanned[sample.where[0]]:
@@ -251,32 +249,24 @@ class SampleReads:
         for first, last, members in merge_spans([r[:2] for _, _, r in items], self.amplification):
             self.pool.submit(spans.read, first, last, members)
 
-    def take(self, sample: Located) -> Any:
-        """The opened sample; one of several units is opened once and kept (LRU, by bytes) for the rest.
-        Its errors name it (`about_sample`)."""
-        where, opened = sample.where, self.opened
-        if where in opened:
-            opened.move_to_end(where)
-            return opened[where][0]
+    def take(self, sample: Located, keep: bool = False) -> tuple[dict[str, Any], int]:
+        """The sample's members, checked where the index says (`tario.parse_sample`), and the bytes
+        they hold in this process's memory (a mapped file's pages are the page cache's); its pages
+        are released at `done` unless the caller `keep`s the sample. Its errors name it (`about_sample`)."""
         with about_sample(sample.url, sample.key):
-            if where not in self.inflight:  # (dropped from the open samples since its read was asked for)
+            if sample.where not in self.inflight:  # (asked for again: dropped from the open samples since)
                 self.ahead([sample])
-            future = self.inflight.pop(where)
+            future = self.inflight.pop(sample.where)
             self.clock.mark()
             self.sized[sample.url].result()
             pieces = future.result()
             self.clock.split("read")
             members: dict[str, Any] = {}
-            for start, data, group in pieces:  # (members checked where the index says)
+            for start, data, group in pieces:
                 members.update(parse_sample(data, sample.url, sample.key, self.limits, group, start))
-            opened_sample = self.open(members, sample.url, sample.key, sample.units)
-            self.clock.split("open")
-        if sample.units > 1 and self.sources[where[0]].by_units:
-            # What a sample holds in this process's memory: a mapped file's pages are the page cache's.
-            opened.keep(where, (opened_sample, sum(len(data) for _, data, _ in pieces if isinstance(data, bytes))))
-        else:
-            self.taken[where] = [data for _, data, _ in pieces]
-        return opened_sample
+        if not keep:
+            self.taken[sample.where] = [data for _, data, _ in pieces]
+        return members, sum(len(data) for _, data, _ in pieces if isinstance(data, bytes))
 
     def done(self, sample: Located) -> None:
         """A sample taken is decoded: its mapped pages leave this process's memory (`release_pages`)."""

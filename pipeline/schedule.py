@@ -17,7 +17,7 @@ import numpy.ma  # noqa: F401  (np.unique imports it on first use: ~0.1 s of eac
 from pipeline.config import LoaderConfig
 from pipeline.index import Located, group, locate, resolve
 from pipeline.plan import Item
-from pipeline.read import SampleReads
+from pipeline.read import Opened, SampleReads
 
 __all__ = ["FIRST_OUT_WAIT", "FirstOut", "Schedule"]
 
@@ -70,15 +70,17 @@ class FirstOut:
 
 
 class Schedule:
-    """One worker's iteration from batch `start` of its plan (less the first `rows` samples of that
-    one): `__iter__` gives each batch's samples to decode, in plan order, having located and asked
-    for the reads of the batches `read_ahead` ahead (or a chunk ahead, from object storage); the
-    read-ahead after the first batch, and the cache's downloads, wait for `first_out`'s `ticket`."""
+    """One worker's iteration from `start` (a batch of its plan, and rows of it left out): `__iter__`
+    gives each batch's samples to decode, in plan order, having located and asked for the reads of
+    the batches `read_ahead` ahead (a chunk ahead, from object storage), but for the samples open
+    already (`opened`); the read-ahead after the first batch, and the cache's downloads, wait for
+    `first_out`'s ticket.
+    """
 
-    def __init__(self, grouped: bool, config: LoaderConfig, plan: Sequence[Item], reads: SampleReads,
-                 first_out: tuple[FirstOut, int] | None, start: int = 0, rows: int = 0) -> None:
+    def __init__(self, grouped: bool, config: LoaderConfig, plan: Sequence[Item], reads: SampleReads, opened: Opened,
+                 first_out: tuple[FirstOut, int] | None, start: tuple[int, int] = (0, 0)) -> None:
         self.sources, self.grouped, self.config, self.plan, self.reads = reads.sources, grouped, config, plan, reads
-        self.first_out, self.start, self.rows = first_out, start, rows
+        self.opened, self.first_out, (self.start, self.rows) = opened, first_out, start
 
     def __iter__(self) -> Iterator[tuple[int, int, list[tuple[Located, Any]]]]:
         """(batch number, its items taken, what to decode of each sample: (sample, unit or units))."""
@@ -100,7 +102,7 @@ class Schedule:
                 for batch in range(last, asked):
                     more, prepared[batch] = self._prepare(batch)
                     samples += more
-                self.reads.ahead(samples)
+                self.reads.ahead([sample for sample in samples if sample.where not in self.opened])
             cut = self.rows if i == start else 0
             yield plan[i][0], len(plan[i][2]) - cut, prepared.pop(i)
 

@@ -191,11 +191,11 @@ class ShardStream(IterableDataset):
                           drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
                           history=history)
         readers, opened = self.readers.get()
-        reads = SampleReads(self.sources, readers, opened, cfg, self.decoder.open, clock)
+        reads = SampleReads(self.sources, readers, cfg, clock)
         try:
-            for batch, items, work in Schedule(self.kind.grouped, cfg, plan, reads, ticket, start, rows):
+            for batch, items, work in Schedule(self.kind.grouped, cfg, plan, reads, opened, ticket, (start, rows)):
                 with clock.stage("decode"):  # (the reads' waits and opens in it are theirs: `LoaderStats.of`)
-                    pieces, lost = self.decoder.decode(reads, work, epoch, world.worker, budget, clock)
+                    pieces, lost = self.decoder.decode(reads, opened, work, epoch, world.worker, budget, clock)
                 if not pieces and items:
                     raise ShardError(f"all {items} samples of batch {batch} failed; ranks "
                                      "cannot stay in step", url=self.sources[0].root)

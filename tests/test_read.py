@@ -1,5 +1,5 @@
-"""pipeline.read alone: samples read ahead through real shard readers, opened by a given function,
-kept open by bytes, and checked against the limits."""
+"""pipeline.read alone: samples read ahead through real shard readers, their members checked against
+the limits; the LRU of open samples by bytes."""
 
 from __future__ import annotations
 
@@ -31,14 +31,8 @@ def _reads(blocks, **settings):
     root, manifest = blocks
     sources = [SplitIndex.of(root, manifest, "train", by_units=True)]
     config = LoaderConfig(batch_size=1, **settings)
-    opened_log = []
-
-    def open_(members, url, key, units):
-        opened_log.append(key)
-        return sorted(members), units
-
-    readers, opened = ProcessReaders(sources, config, None).get()
-    return SampleReads(sources, readers, opened, config, open_), opened_log
+    readers, _ = ProcessReaders(sources, config, None).get()
+    return SampleReads(sources, readers, config)
 
 
 def _located(reads, samples):
@@ -48,22 +42,26 @@ def _located(reads, samples):
     return [resolve(source, (0, s), indexes) for s in samples]
 
 
-def test_samples_are_read_ahead_opened_once_and_kept(blocks):
-    reads, opened_log = _reads(blocks)
+def test_samples_read_ahead_give_their_members_and_pages_kept_only_when_asked(blocks):
+    reads = _reads(blocks)
     samples = _located(reads, range(int(blocks[1].splits["train"].samples)))
+    assert [s.units for s in samples] == [4] * len(samples) and len({s.key for s in samples}) == len(samples)
     try:
         reads.ahead(samples)
-        for sample in samples * 2:  # the second pass comes from the open samples
-            members, units = reads.take(sample)
-            assert members == sorted([EMB_DATA, EMB_TABLE])
-            assert units == 4 and sample.url.endswith(".tar")
-        assert opened_log == [s.key for s in samples] and len(reads.opened) == len(samples)
+        assert set(reads.inflight) == {s.where for s in samples}
+        for i, sample in enumerate(samples):
+            members, held = reads.take(sample, keep=i % 2 == 1)
+            assert sorted(members) == sorted([EMB_DATA, EMB_TABLE]) and held == 0  # (views of the mapped shard)
+        assert set(reads.taken) == {s.where for s in samples[::2]}  # (released at `done`; kept ones are not)
+        for sample in samples:
+            reads.done(sample)
+        assert not reads.taken and not reads.inflight
     finally:
         reads.close()
 
 
 def test_a_sample_over_the_size_limit_is_named(blocks):
-    reads, _ = _reads(blocks, limits=ReadLimits(max_sample_bytes=64))
+    reads = _reads(blocks, limits=ReadLimits(max_sample_bytes=64))
     sample, = _located(reads, [0])
     try:
         with pytest.raises(ShardError, match=rf"{sample.url}: sample '{sample.key}': spans \d+ bytes, "

@@ -87,13 +87,12 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
 PIECE_BYTES = 8 << 20  # a long read is a series of range requests of this size; a retry redoes one piece
 
 
-def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, end: int, key: str | None = None,
+def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, end: int,
                retry: Retry = Retry()) -> bytes:
-    """Bytes [start, end) of a shard (holding sample `key`), read in pieces of `PIECE_BYTES`. A transient
+    """Bytes [start, end) of a shard, read in pieces of `PIECE_BYTES`. A transient
     failure is retried from the piece it hit (the pieces before it are kept); a missing file, a short
     file or a failure past the retries is a ShardError. A local file is read only if it is a regular
     file (`local.read_regular`: never a FIFO or a device)."""
-    what = f"sample {key!r}: " if key is not None else ""
     local = is_local(fs)
 
     def piece(first: int, stop: int) -> bytes:
@@ -109,12 +108,12 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, e
         try:
             parts.append(with_retries(retry, f"{url} bytes {first}-{stop}", read, tries))
         except FileNotFoundError as exc:
-            raise ShardError(f"{what}shard is missing", url=url) from exc
-        except ShardError as exc:  # (not a regular file)
-            raise ShardError(f"{what}{exc.message}", url=url) from exc
+            raise ShardError("shard is missing", url=url) from exc
+        except ShardError:  # (not a regular file)
+            raise
         except Exception as exc:
             after = f" after {tries}" if transient(exc) else ""
-            raise ShardError(f"{what}cannot read bytes {first}-{stop}{after}: {describe(exc)}", url=url) from exc
+            raise ShardError(f"cannot read bytes {first}-{stop}{after}: {describe(exc)}", url=url) from exc
     return b"".join(parts)
 
 

@@ -92,7 +92,7 @@ def read_index(fs: fsspec.AbstractFileSystem, base: str, root: str, shard: Shard
         path = join(base, info.name)
         if is_local(fs):
             path = (places or Places(root)).real(path, url)
-        fetch = functools.partial(read_range, fs, path, url, 0, info.bytes, None, retry)
+        fetch = functools.partial(read_range, fs, path, url, 0, info.bytes, retry)
         data = cache.small(f"{info.sha256}.idx", info.sha256, fetch) if cache is not None else fetch()
     except ShardError as exc:
         missing = isinstance(exc.__cause__, FileNotFoundError)
