@@ -49,6 +49,16 @@ class Decoder:
             opened.keep(sample.where, (result, held))
         return result
 
+    def _decoded(self, reads: SampleReads, opened: Opened, sample: Located, unit: Any, epoch: int,
+                 clock: Clock) -> Any:
+        """One unit (or, grouped, units) of a sample decoded by the kind; its errors name it."""
+        try:
+            with about_sample(sample.url, sample.key):
+                return self.kind.decode(self._open(reads, opened, sample, clock), unit=unit, seed=self.config.seed,
+                                        epoch=epoch, url=sample.url, key=sample.key, clock=clock)
+        finally:
+            reads.done(sample)
+
     def decode(self, reads: SampleReads, opened: Opened, work: Sequence[tuple[Located, Any]], epoch: int,
                worker: int, budget: int | None, clock: Clock) -> tuple[list[Any], int]:
         """The batch's decoded samples and how many of its units failed; with on_error="skip", those
@@ -56,13 +66,7 @@ class Decoder:
         cfg, pieces, lost = self.config, [], 0
         for sample, unit in work:
             try:
-                try:
-                    with about_sample(sample.url, sample.key):
-                        pieces.append(self.kind.decode(self._open(reads, opened, sample, clock), unit=unit,
-                                                       seed=cfg.seed, epoch=epoch, url=sample.url, key=sample.key,
-                                                       clock=clock))
-                finally:
-                    reads.done(sample)
+                pieces.append(self._decoded(reads, opened, sample, unit, epoch, clock))
             except ShardstreamError as exc:
                 if cfg.on_error == "raise" or isinstance(exc, ConfigError):  # (a setting's error is no sample's)
                     raise
