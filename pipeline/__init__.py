@@ -2,7 +2,7 @@
 `trainer_dataset()` and `trl_dataset()` for trainers with their own DataLoader; `resume_callback()`
 to resume HF Trainer mid-epoch without replay."""
 
-from pipeline.errors import ManifestError, SampleError, ShardError, ShardstreamError
+from pipeline.errors import ManifestError, SampleError, ShardError, ShardstreamError, StallError
 from pipeline.config import LoaderConfig
 from pipeline.loader import LoaderStats, StreamLoader, make_stream_dataset, make_stream_loader, validate_first_batch
 from pipeline.plan import World, plan_epoch
@@ -26,4 +26,5 @@ __all__ = [
     "ManifestError",
     "ShardError",
     "SampleError",
+    "StallError",
 ]

@@ -4,7 +4,7 @@ construction (the kind's own options, such as `image_size`, belong to the kind: 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +63,10 @@ class LoaderConfig:
     weights: Sequence[float] | None = None  # several sources mixed in these shares
     epoch_size: int | None = None  # samples per epoch of a mix
     stats_every: int | None = None  # log `loader.stats()` (INFO, logger "pipeline.loader") every this many batches
+    stats_callback: Callable[[Any], None] | None = None  # ... and hand it to this (a metrics logger's; main process)
+    # Seconds without any DataLoader worker's progress before an iteration ends with a StallError naming
+    # what each worker was doing (None: never). Longer than a throttled request may retry (`Retry`).
+    stall_timeout: float | None = 300.0
     # The DataLoader's (DATALOADER_SETTINGS):
     device: str | torch.device | None = None
     pin_memory: bool | None = None
@@ -104,6 +108,14 @@ class LoaderConfig:
                               f"{self.world_size!r}: pass both, or neither to take them from torch.distributed")
         if self.stats_every is not None:
             _at_least("stats_every", self.stats_every, 1)
+        if self.stats_callback is not None and (not callable(self.stats_callback) or self.stats_every is None):
+            raise ConfigError(f"stats_callback must be a function taking loader.stats(), with stats_every: how "
+                              f"many batches apart it is called; got {self.stats_callback!r}, "
+                              f"stats_every={self.stats_every}")
+        timeout = self.stall_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):
+            raise ConfigError(f"stall_timeout must be None or a number of seconds > 0, got {timeout!r}")
         if self.world_size is not None:
             _at_least("world_size", self.world_size, 1)
             _at_least("rank", self.rank, 0)

@@ -19,6 +19,7 @@ from pipeline.index import Located, SplitIndex
 from pipeline.kinds import Kind
 from pipeline.read import Opened, SampleReads
 from pipeline.stats import Clock
+from pipeline.watchdog import Progress
 
 __all__ = ["Decoder"]
 
@@ -32,6 +33,12 @@ class Decoder:
     def __init__(self, sources: list[SplitIndex], kind: Kind, config: LoaderConfig, skipped: torch.Tensor) -> None:
         self.sources, self.kind, self.config, self.skipped = sources, kind, config, skipped
         self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
+        self.progress: Progress | None = None  # in a worker of our own DataLoader: what it does, for the watchdog
+
+    def note(self, worker: int, stage: str, sample: Located | None = None) -> None:
+        """The worker moves on to `stage` (`watchdog.STAGES`), of `sample`."""
+        if self.progress is not None:
+            self.progress.at(worker, stage, *((sample.url, sample.key) if sample is not None else ()))
 
     def _open(self, reads: SampleReads, opened: Opened, sample: Located, clock: Clock) -> Any:
         """The sample opened by the kind: kept from an earlier unit, or taken from the read stage (and
@@ -50,12 +57,15 @@ class Decoder:
         return result
 
     def _decoded(self, reads: SampleReads, opened: Opened, sample: Located, unit: Any, epoch: int,
-                 clock: Clock) -> Any:
+                 worker: int, clock: Clock) -> Any:
         """One unit (or, grouped, units) of a sample decoded by the kind; its errors name it."""
         try:
             with about_sample(sample.url, sample.key):
-                return self.kind.decode(self._open(reads, opened, sample, clock), unit=unit, seed=self.config.seed,
-                                        epoch=epoch, url=sample.url, key=sample.key, clock=clock)
+                self.note(worker, "reading", sample)
+                taken = self._open(reads, opened, sample, clock)
+                self.note(worker, "decoding", sample)
+                return self.kind.decode(taken, unit=unit, seed=self.config.seed, epoch=epoch, url=sample.url,
+                                        key=sample.key, clock=clock)
         finally:
             reads.done(sample)
 
@@ -66,7 +76,7 @@ class Decoder:
         cfg, pieces, lost = self.config, [], 0
         for sample, unit in work:
             try:
-                pieces.append(self._decoded(reads, opened, sample, unit, epoch, clock))
+                pieces.append(self._decoded(reads, opened, sample, unit, epoch, worker, clock))
             except ShardstreamError as exc:
                 if cfg.on_error == "raise" or isinstance(exc, ConfigError):  # (a setting's error is no sample's)
                     raise

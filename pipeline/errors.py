@@ -14,7 +14,7 @@ from typing import Any
 __all__ = [
     "ShardstreamError", "ConfigError", "ManifestError", "DatasetError", "ShardError", "ShardIndexError", "SampleError",
     "InputError", "RowError", "PackError", "TooManySkipped", "PlanError", "RLEError", "excerpt",
-    "about_sample",
+    "StallError", "about_sample",
 ]
 
 
@@ -98,6 +98,14 @@ class SampleError(ShardstreamError):
     def __str__(self) -> str:
         where = f"sample {self.key!r}" + (f", field {self.field!r}" if self.field else "")
         return f"{self.url}: {where}: {self.message}"
+
+
+class StallError(ShardstreamError):
+    """No DataLoader worker made progress for `stall_timeout` seconds: what each was doing (stage,
+    shard, sample, for how long) and its Python stack, in the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
 
 
 class InputError(ShardstreamError):

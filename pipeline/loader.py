@@ -8,7 +8,7 @@ import logging
 import time
 import multiprocessing
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from pipeline.collate import Leases
 from pipeline.config import DATALOADER_SETTINGS, LoaderConfig
 from pipeline.device import prefetch_to_cuda, to_device
-from pipeline.errors import ConfigError, DatasetError, ManifestError
+from pipeline.errors import ConfigError, DatasetError, ManifestError, StallError
 from pipeline.format import Manifest
 from pipeline.index import SplitIndex
 from pipeline.kinds import Kind, kind_of
@@ -29,6 +29,7 @@ from pipeline.state import ORDER_SETTINGS, STATE_VERSION, describe, fingerprint,
 from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
 from pipeline.storage.places import Places
 from pipeline.schedule import FirstOut
+from pipeline.watchdog import Progress
 from pipeline.stream import ShardStream, WorkerError
 
 __all__ = ["LoaderConfig", "LoaderStats", "StreamLoader", "make_stream_loader", "make_stream_dataset",
@@ -43,12 +44,14 @@ class StreamLoader:
     DataLoader's: after `load_state_dict`, iteration yields those the state had not taken."""
 
     def __init__(self, stream: ShardStream, loader: DataLoader, device: torch.device | None,
-                 manifests: list[Manifest], split: str) -> None:
+                 manifests: list[Manifest], split: str, stats_callback: Callable[[LoaderStats], None] | None) -> None:
+        """`stats_callback` is the main process's alone: the stream's config goes without it (spawned
+        workers would pickle it)."""
         self._stream, self._loader, self.device = stream, loader, device
         self.manifests, self.split = manifests, split
         self.manifest = manifests[0]
         self.kind = stream.kind  # (its `options`: the kind's options this loader decodes with)
-        self.config = stream.config
+        self.config = dataclasses.replace(stream.config, stats_callback=stats_callback)
         self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
         self._generation = 0  # of the current iteration: an iterator of an earlier one is no longer valid
         self._started = -1  # the generation whose iterator has begun (one not begun plays the position it finds)
@@ -154,18 +157,22 @@ class StreamLoader:
         read-ahead waits for iteration `ticket`'s first batch (`schedule.FirstOut`)."""
         self._check_current(generation)
         clock, start = self._clock, time.perf_counter_ns()  # the hand-off: from asking to getting (workers start)
+        progress = self._stream.progress
+        if progress is not None:
+            progress.begin()
         batches = iter(self._loader)
         try:
             while True:
                 self._check_current(generation)
                 try:
-                    batch = next(batches)
+                    batch = _next_batch(batches, progress, self.config.stall_timeout)
                 except StopIteration:
                     clock.add("hand-off", time.perf_counter_ns() - start)
                     return
-                except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
-                    raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
-                                       f"memory?): {_describe(exc)}") from exc
+                except StallError as error:
+                    log.error("%s", error)
+                    self.close()  # (torch ends the stuck workers: SIGTERM after its join timeout)
+                    raise
                 clock.add("hand-off", time.perf_counter_ns() - start)
                 yield batch
                 if first_out is not None:  # (asked for the next: the first is out, or the device stage takes one ahead)
@@ -209,8 +216,7 @@ class StreamLoader:
             with clock.stage("loop"):
                 yield finished
             if every is not None and self._yielded % every == 0:
-                stats = self.stats()
-                log.info("loader stats after %d batches: %s", self._yielded, stats, extra={"loader_stats": stats})
+                _report(self.stats(), self._yielded, self.config.stats_callback)
         if generation == self._generation:
             stream.state.set(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
 
@@ -220,12 +226,8 @@ class StreamLoader:
         In DDP the ranks move in step, so every rank's state is the same but for `rank`; save rank
         0's and load it on every rank, in a world of any size."""
         taken = self._taken or self._stream.state.history
-        return {
-            **self._stream.identity,
-            "epoch": self.epoch,
-            "history": [[t.world_size, t.batches] for t in taken],
-            "rank": self._stream.rank,
-        }
+        history = [[t.world_size, t.batches] for t in taken]
+        return {**self._stream.identity, "epoch": self.epoch, "history": history, "rank": self._stream.rank}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a `state_dict()`: the rest of its epoch, then the following epochs.
@@ -238,6 +240,13 @@ class StreamLoader:
         self._stream.state.set(epoch, history)
         self._moved()
         self._stream.batches()  # refuse now a history this dataset cannot have
+
+
+def _report(stats: LoaderStats, batches: int, callback: Callable[[LoaderStats], None] | None) -> None:
+    """`stats_every`'s report: logged (INFO, with the figures as `loader_stats`), and handed to the callback."""
+    log.info("loader stats after %d batches: %s", batches, stats, extra={"loader_stats": stats})
+    if callback is not None:
+        callback(stats)
 
 
 def _describe(exc: BaseException) -> str:
@@ -284,6 +293,28 @@ def _world(rank: int | None, world_size: int | None) -> World:
                 f"the whole split, or for data-parallel replicas a world_size dividing {group_size} with rank the "
                 "replica's index")
     return world
+
+
+def _next_batch(batches: Iterator[Any], progress: Progress | None, stall_timeout: float | None) -> Any:
+    """The DataLoader's next batch, waited for in ticks of the watchdog (`_watchdog_tick`, torch's
+    timeout): a StallError once no worker has moved for `stall_timeout` seconds."""
+    while True:
+        try:
+            return next(batches)
+        except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
+            raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
+                               f"memory?): {_describe(exc)}") from exc
+        except RuntimeError as exc:
+            if progress is None or stall_timeout is None or not str(exc).startswith("DataLoader timed out"):
+                raise
+            if progress.stalled(stall_timeout):
+                raise progress.error(stall_timeout) from None
+
+
+def _watchdog_tick(stall_timeout: float | None) -> float:
+    """How long the DataLoader waits for a batch before the loader looks at its workers' progress
+    (`watchdog.Progress.stalled`), then waits again: torch's `timeout`, 0 (none) without a watchdog."""
+    return 0 if stall_timeout is None else min(5.0, stall_timeout / 2)
 
 
 def _check_picklable(kind: Kind, method: str) -> None:
@@ -410,10 +441,13 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     config, options = _config(config, settings)
     device, pin = _resolve_device(config.device, config.pin_memory)
     workers = config.num_workers
-    stream, manifests = _stream(source, split, config, options, max_workers=workers)
+    stream, manifests = _stream(source, split, dataclasses.replace(config, stats_callback=None), options,
+                                max_workers=workers)
     if workers:
         stream.decoder.leases = Leases(workers)
         stream.first_out = FirstOut(config.multiprocessing_context)
+        if config.stall_timeout is not None:
+            stream.progress = stream.decoder.progress = Progress(workers)
         _check_picklable(stream.kind, config.multiprocessing_context or multiprocessing.get_start_method())
     loader = DataLoader(
         stream,
@@ -423,8 +457,9 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
         prefetch_factor=config.prefetch_factor if workers else None,
         persistent_workers=bool(workers) if config.persistent_workers is None else config.persistent_workers,
         multiprocessing_context=config.multiprocessing_context if workers else None,
+        timeout=_watchdog_tick(config.stall_timeout) if workers else 0,
     )
-    return StreamLoader(stream, loader, device, manifests, split)
+    return StreamLoader(stream, loader, device, manifests, split, config.stats_callback)
 
 
 def make_stream_dataset(source: str | Sequence[str], split: str, *, max_workers: int = 16, flatten: bool = False,

@@ -1,0 +1,102 @@
+"""The stall watchdog: each DataLoader worker notes in shared memory what it is doing (stage, shard
+URL, sample key, since when), and the main process, while it waits for a batch, ends the iteration
+with a `StallError` once no worker has moved for `stall_timeout` seconds: per worker what it was
+doing and for how long, with its Python stack (dumped by `faulthandler` on a signal, which works
+even while the worker is blocked). Slow but moving is not a stall."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from typing import IO
+
+import numpy as np
+import torch
+
+from pipeline.errors import StallError
+
+__all__ = ["Progress", "STAGES"]
+
+STAGES = ("starting", "reading", "decoding", "collating", "handing over a batch", "done")
+_TEXT = 512  # bytes of "URL key" kept per worker
+_DUMP = signal.SIGUSR1
+
+
+class Progress:
+    """What each worker of a stream is doing, shared with the main process: per worker its pid, since
+    when it is in its stage (`time.monotonic_ns`: one clock for all the processes of a machine), the
+    stage's number in `STAGES`, and the sample it is at ("URL key")."""
+
+    def __init__(self, workers: int) -> None:
+        self.table = torch.zeros(max(1, workers), 3, dtype=torch.int64).share_memory_()  # pid, since, stage
+        self.text = torch.zeros(max(1, workers), _TEXT, dtype=torch.uint8).share_memory_()
+        self.directory = tempfile.mkdtemp(prefix="shardstream-stacks-")  # (each worker's stack, on a stall)
+        weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self._dumps: IO[str] | None = None  # (this worker's stack file, kept open for faulthandler)
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None  # (numpy views of both: cheaper to write)
+
+    def begin(self) -> None:
+        """In the main process, as it asks for an iteration: a stall is counted from now at the earliest."""
+        self.table[:, 1] = time.monotonic_ns()
+
+    def start(self, worker: int) -> None:
+        """In a worker, as its iteration begins: its row, and its stack dumped to its file on `_DUMP`."""
+        if self._dumps is None:
+            self._dumps = open(os.path.join(self.directory, f"worker-{worker}.txt"), "w")  # noqa: SIM115
+            faulthandler.register(_DUMP, file=self._dumps, all_threads=True, chain=False)
+            self._rows = (self.table.numpy(), self.text.numpy())
+        self.table[worker, 0] = os.getpid()
+        self.at(worker, "starting")
+
+    def at(self, worker: int, stage: str, url: str = "", key: str = "") -> None:
+        """The worker moved on to `stage` (of the sample `key` of the shard at `url`)."""
+        if self._rows is None:
+            return
+        table, text = self._rows
+        table[worker, 1:] = time.monotonic_ns(), STAGES.index(stage)
+        data = f"{url} {key}".encode()[:_TEXT] if key else b""
+        text[worker, : len(data)] = np.frombuffer(data, np.uint8)
+        text[worker, len(data):] = 0
+
+    def stalled(self, timeout: float) -> bool:
+        """In the main process: whether no worker has moved for `timeout` seconds."""
+        return time.monotonic_ns() - int(self.table[:, 1].max()) > timeout * 1e9
+
+    def error(self, timeout: float) -> StallError:
+        """The stall, named: each worker's stage, sample and time in it, and its Python stack."""
+        now, lines = time.monotonic_ns(), []
+        for worker, (pid, since, stage) in enumerate(self.table.tolist()):
+            if not pid:
+                continue
+            url, _, key = bytes(self.text[worker].numpy()).rstrip(b"\0").decode(errors="replace").partition(" ")
+            what = f"{STAGES[stage]} sample {key!r} of {url}" if key else STAGES[stage]
+            lines.append(f"worker {worker} (pid {pid}): {what}, for {(now - since) / 1e9:.1f} s\n"
+                         f"{_stack(pid, os.path.join(self.directory, f'worker-{worker}.txt'))}")
+        return StallError(f"no DataLoader worker made progress for {timeout:g} s (stall_timeout); the "
+                          "iteration ends:\n" + "\n".join(lines))
+
+    def __getstate__(self) -> dict[str, object]:  # (a spawned worker opens its own stack file)
+        return {**self.__dict__, "_dumps": None, "_rows": None}
+
+
+def _stack(pid: int, path: str) -> str:
+    """The Python stack of every thread of worker `pid`, dumped by its `faulthandler` on `_DUMP`."""
+    try:
+        before = os.path.getsize(path)
+        os.kill(pid, _DUMP)
+    except OSError as exc:
+        return f"  (no stack: {exc})"
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if os.path.getsize(path) > before:
+            time.sleep(0.05)  # (the dump is a few writes)
+            with open(path) as f:
+                f.seek(before)
+                return "  " + f.read().strip().replace("\n", "\n  ")
+    return "  (no stack: the worker did not answer)"
