@@ -513,6 +513,13 @@ def test_a_pixel_budget_is_checked_and_refuses_an_image_too_elongated(packed):
     assert (caught.value.url, caught.value.key, caught.value.field) == ("shard.tar", "k", "image")
 
 
+def test_preview_takes_the_pixel_budget_as_flags(packed, tmp_path, caplog):
+    argv = ["preview", packed["slake"], "--split", "train", "-n", "2", "--out", str(tmp_path / "p.png")]
+    assert main([*argv, "--image-size", "none", "--max-pixels", "4096", "--pixel-factor", "14"]) == 0
+    assert main([*argv, "--max-pixels", "4096"]) == 2
+    assert "max_pixels=4096: the pixel budget sizes each image on its own and needs image_size=None" in caplog.text
+
+
 def test_a_state_of_another_pixel_budget_is_refused(packed):
     def loader(**budget):
         return make_stream_loader(packed["vqa-rad"], "train", batch_size=2, num_workers=0, image_size=None, **budget)
