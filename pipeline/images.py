@@ -5,6 +5,7 @@ JPEGs are decoded at the smallest libjpeg scale that covers the frame (Pillow's 
 and grayscale JPEGs go through libjpeg-turbo straight into an array (simplejpeg): the same pixels
 as Pillow's, bit for bit, without its two copies out of its own image memory (~15% of a decode);
 what simplejpeg refuses goes to Pillow, which packing checked the JPEGs with.
+`smart_resize` is Qwen2-VL's pixel budget: the frame it gives is decoded the same way.
 Every image becomes RGB: grayscale is replicated, palettes expanded, alpha dropped, 16-bit samples
 scaled to 8 bits.
 """
@@ -12,6 +13,7 @@ scaled to 8 bits.
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -28,10 +30,13 @@ from pipeline.tario import ReadLimits
 # before DataLoader workers fork, not on the path of each worker's first batch.
 Image.preinit()
 
-__all__ = ["MAX_IMAGE_PIXELS", "open_image", "to_rgb", "decode_image"]
+__all__ = ["MAX_IMAGE_PIXELS", "open_image", "to_rgb", "draft_scale", "smart_resize", "decode_image"]
 
 MAX_IMAGE_PIXELS = ReadLimits.max_image_pixels  # larger images are refused (decompression bombs)
 _WIDE = ("I;16", "I;16L", "I;16B", "I")  # 16-bit PNGs open as I;16 (or I in older Pillow)
+# Qwen2-VL's pixel budget (transformers' `Qwen2VLImageProcessor`): patch 14 x merge 2, and its `size`
+QWEN2_VL_FACTOR, QWEN2_VL_MIN_PIXELS, QWEN2_VL_MAX_PIXELS = 28, 56 * 56, 28 * 28 * 1280
+MAX_ASPECT = 200  # smart_resize refuses images more elongated than this
 
 
 def open_image(data: bytes, formats: Sequence[str], url: str, key: str, field: str,
@@ -72,11 +77,31 @@ def _check_size(height: int, width: int, size: tuple[int, int] | None, url: str,
                           url=url, key=key, field=field)
 
 
-def _draft_scale(height: int, width: int, frame: tuple[int, int]) -> int:
-    """The libjpeg scale denominator Pillow's JPEG `draft` picks for `frame`: the largest of 8, 4, 2, 1
-    that keeps the decoded image at least as large as the frame."""
+def draft_scale(height: int, width: int, frame: tuple[int, int]) -> int:
+    """The libjpeg scale denominator Pillow's JPEG `draft` picks for `frame` (h, w): the largest of 8,
+    4, 2, 1 that keeps the decoded image at least as large as the frame (by whole multiples of it)."""
     fits = min(width // frame[1], height // frame[0])
     return next((s for s in (8, 4, 2) if fits >= s), 1)
+
+
+def smart_resize(height: int, width: int, factor: int = QWEN2_VL_FACTOR, min_pixels: int = QWEN2_VL_MIN_PIXELS,
+                 max_pixels: int = QWEN2_VL_MAX_PIXELS) -> tuple[int, int]:
+    """The (h, w) transformers' Qwen2-VL `smart_resize` gives an image of (height, width): both
+    multiples of `factor`, about the same aspect, the area within [min_pixels, max_pixels] (the
+    same arithmetic, so the same result). ValueError for an aspect ratio over 200, as there."""
+    if max(height, width) / min(height, width) > MAX_ASPECT:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):g} is over {MAX_ASPECT}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
 
 
 def _turbo_jpeg(data: bytes | memoryview, frame: tuple[int, int] | None, url: str, key: str, field: str,
@@ -92,7 +117,7 @@ def _turbo_jpeg(data: bytes | memoryview, frame: tuple[int, int] | None, url: st
     _check_size(height, width, size, url, key, field)
     if colorspace not in ("YCbCr", "Gray"):
         return None
-    scale = 1 if frame is None else _draft_scale(height, width, frame)
+    scale = 1 if frame is None else draft_scale(height, width, frame)
     try:
         return simplejpeg.decode_jpeg(data, "RGB", min_height=-(-height // scale), min_width=-(-width // scale))
     except ValueError:

@@ -413,7 +413,8 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     as a `config`, or both (keywords replace the config's); any other keyword is an option of the
     kind (the manifest says which), and one the kind does not take is refused by name. For SA-1B
     `image_size=1024`, `mask_size=256`, `max_masks=64` (an int, or a function of the epoch); for
-    VQA `per="question"` (or "image") and `image_size=448` (or None: as stored); for WebDataset tars
+    VQA `per="question"` (or "image") and `image_size=448` (or None: as stored, or with `min_pixels`,
+    `max_pixels`, `pixel_factor` at Qwen2-VL's `smart_resize` of each image); for WebDataset tars
     indexed in place, your `decode=fn` (required) and `collate=` (`pipeline.kinds.webdataset`). Kinds whose
     samples hold several units (rows of a block, questions of an image) yield units; each worker
     keeps up to `unit_cache_bytes` of such samples open for their next units (read from a mapped

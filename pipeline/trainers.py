@@ -93,6 +93,9 @@ def trl_dataset(
     *,
     seed: int = 0,
     image_size: int | None = 448,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    pixel_factor: int | None = None,
     shuffle: bool = True,
     on_error: str = "raise",
     max_errors: int | float | None = None,
@@ -112,6 +115,8 @@ def trl_dataset(
     hands each its slice of each global batch. One data source: in a DataLoader, one worker reads it.
     `info.splits[split].num_examples` is the questions per epoch. `chunk` questions are decoded at a
     time; with `on_error="skip"` a bad sample is left out. Needs the `hf` extra (`datasets`).
+    Images are at long side `image_size`; with `image_size=None`, as stored, or given `min_pixels`,
+    `max_pixels` or `pixel_factor`, at Qwen2-VL's `smart_resize` of their original size (see the vqa kind).
     """
     try:
         from pipeline.hf_datasets import iterable_dataset
@@ -122,7 +127,7 @@ def trl_dataset(
                                  max_workers=1, shuffle=shuffle, seed=seed, drop_last=False, on_error=on_error,
                                  max_errors=max_errors, shuffle_window=shuffle_window, rank=0, world_size=1,
                                  storage_options=storage_options, limits=limits, per="question", image_size=image_size,
-                                 form="trl")
+                                 min_pixels=min_pixels, max_pixels=max_pixels, pixel_factor=pixel_factor, form="trl")
     return iterable_dataset(stream, split)
 
 

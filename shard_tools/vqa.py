@@ -488,5 +488,7 @@ def _tiles(batch: dict[str, Any], tile: int) -> Tiles:
 PACKING = PackingKind(
     add=_add, run=_run, preview=Drawing(tiled(_tiles), shows="VQA: question and answer"),
     options=(KindOption("--image-size", "VQA (VQA: none = as stored)", int_or_none),
-             KindOption("--per", "VQA", choices=("question", "image"))),
+             KindOption("--per", "VQA", choices=("question", "image")),
+             *(KindOption(f"--{name}", "VQA: Qwen2-VL's pixel budget, with --image-size none", int)
+               for name in ("min-pixels", "max-pixels", "pixel-factor"))),
 )

@@ -1,16 +1,21 @@
-"""pipeline.images as a module: decoding at the batch's size, modes, and the pixel cap."""
+"""pipeline.images as a module: decoding at the batch's size, the draft scale, modes, the pixel cap,
+and Qwen2-VL's pixel budget (`smart_resize`, against transformers' own)."""
 
 from __future__ import annotations
 
 import io
+import itertools
+import math
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
+from hypothesis import strategies as st
 from PIL import Image
 
 from pipeline.errors import SampleError
-from pipeline.images import MAX_IMAGE_PIXELS, decode_image, open_image, to_rgb
+from pipeline.images import MAX_IMAGE_PIXELS, decode_image, draft_scale, open_image, smart_resize, to_rgb
 
 
 def _encoded(array: np.ndarray, fmt: str = "JPEG") -> bytes:
@@ -106,3 +111,72 @@ def test_a_jpeg_libjpeg_turbo_refuses_is_decoded_or_refused_as_pillow_does():
     assert torch.equal(decode_image(bytes(data), (48, 64), "u", "k"), expected)
     with pytest.raises(SampleError, match=r"u: sample 'k', field 'jpg': cannot decode JPEG: image file is truncated"):
         decode_image(_encoded(GRADIENT)[:-100], (48, 64), "u", "k")
+
+
+# -- the draft scale and the pixel budget ----------------------------------------------------------
+
+
+def test_the_draft_scale_is_the_smallest_decode_that_covers_the_frame():
+    """The scale decodes to at least the frame in both dims (libjpeg rounds up: ceil(n / s)), from
+    whole multiples of it as Pillow's `draft` asks; the next smaller decode (2s) would not."""
+    sizes = [1, 2, 7, 8, 15, 16, 17, 31, 56, 57, 100, 224, 301, 457, 1000, 1024, 4095]
+    for (h, w), (fh, fw) in itertools.product(itertools.product(sizes, repeat=2), itertools.product(sizes, repeat=2)):
+        s = draft_scale(h, w, (fh, fw))
+        assert s in (1, 2, 4, 8)
+        if fh <= h and fw <= w:
+            assert math.ceil(h / s) >= fh and math.ceil(w / s) >= fw, (h, w, fh, fw, s)
+        assert s == 1 or (s * fh <= h and s * fw <= w), "a larger frame than the image: decoded in full"
+        assert s == 8 or 2 * s * fh > h or 2 * s * fw > w, (h, w, fh, fw, s)
+
+
+def test_the_draft_scale_is_the_one_pillow_draft_decodes_at():
+    data = _encoded(np.asarray(Image.fromarray(GRADIENT).resize((457, 301))))
+    for frame in [(301, 457), (151, 229), (150, 228), (76, 115), (75, 114), (38, 58), (37, 57), (20, 30), (1, 1)]:
+        s = draft_scale(301, 457, frame)
+        with Image.open(io.BytesIO(data)) as image:
+            image.draft("RGB", (frame[1], frame[0]))
+            assert (image.height, image.width) == (math.ceil(301 / s), math.ceil(457 / s)), frame
+
+
+def _reference():
+    pytest.importorskip("transformers")
+    # (the module beside it, image_processing_qwen2_vl, needs torchvision; the function is the same)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as reference
+
+    return reference
+
+
+BUDGETS = [(28, 56 * 56, 28 * 28 * 1280), (28, 256 * 28 * 28, 1280 * 28 * 28), (14, 4 * 14 * 14, 64 * 14 * 14),
+           (32, 32 * 32, 32 * 32 * 16), (1, 1, 10_000), (7, 3000, 3000), (28, 1, 28 * 28)]
+
+
+def test_smart_resize_equals_transformers_on_a_grid_of_shapes_and_budgets():
+    reference = _reference()
+    sides = [1, 2, 3, 13, 14, 27, 28, 29, 41, 42, 55, 56, 57, 99, 100, 111, 224, 335, 448, 480, 640, 999, 1000,
+             1080, 1920, 2047, 4000, 12345, 30000]
+    shapes = [(h, w) for h, w in itertools.product(sides, repeat=2) if max(h, w) / min(h, w) <= 200]
+    shapes += [(n, n * 200) for n in (1, 2, 3, 7, 50)] + [(n * 200, n) for n in (1, 5)]  # the aspect limit itself
+    shapes += [(n, n * 200 - 1) for n in (2, 3, 150)] + [(150, 29_999), (15_000, 75)]
+    for (h, w), budget in itertools.product(shapes, BUDGETS):
+        assert smart_resize(h, w, *budget) == reference(h, w, *budget), (h, w, budget)
+    assert smart_resize(480, 640) == reference(480, 640), "the defaults are Qwen2-VL's"
+    for h, w in [(1, 201), (201, 1), (2, 403), (100, 20_001), (1, 30_000)]:
+        with pytest.raises(ValueError, match="aspect ratio"):
+            reference(h, w)
+        with pytest.raises(ValueError, match=r"aspect ratio \S+ is over 200"):
+            smart_resize(h, w)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.integers(1, 40_000), st.integers(1, 40_000), st.sampled_from(BUDGETS))
+def test_smart_resize_equals_transformers_for_any_shape(h, w, budget):
+    reference = _reference()
+    try:
+        want = reference(h, w, *budget)
+    except ValueError:
+        with pytest.raises(ValueError):
+            smart_resize(h, w, *budget)
+        return
+    assert smart_resize(h, w, *budget) == want
+    factor = budget[0]
+    assert want[0] % factor == 0 and want[1] % factor == 0 and min(want) >= factor

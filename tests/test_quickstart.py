@@ -3,6 +3,7 @@ link of the documentation leads to a file (and heading) that exists."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -92,6 +93,24 @@ def test_quickstart_runs_as_written(tmp_path: pathlib.Path) -> None:
             f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
         if language == "python":
             assert result.stdout.strip(), "the quickstart's python block printed nothing"
+
+
+def test_the_qwen2_vl_recipe_runs_on_the_demo_data(tmp_path: pathlib.Path) -> None:
+    """docs/loading.md's Qwen2-VL GRPO recipe: its data and dataset blocks run as written, in an empty
+    folder; its last block, training a hub model, is the example script's command line."""
+    blocks = _blocks(_section((REPO / "docs" / "loading.md").read_text(), "Qwen2-VL GRPO recipe"))
+    assert [language for language, _ in blocks] == ["sh", "python", "sh"]
+    assert blocks[2][1].startswith("python examples/grpo_vqa.py Qwen/Qwen2-VL")
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "recipe.py").write_text(blocks[1][1])
+    for command in (["bash", "-euo", "pipefail", "-c", blocks[0][1]], [sys.executable, "recipe.py"]):
+        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{command}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4 and all(line.endswith(")") for line in lines[:3])
+    sizes, originals = json.loads("[" + lines[3].replace("]] [[", "]], [[") + "]")
+    assert all(h % 28 == 0 and w % 28 == 0 for h, w in sizes) and len(originals) == len(sizes) == 4
 
 
 def test_readme_is_short_and_shows_the_two_commands() -> None:

@@ -124,6 +124,23 @@ def test_trl_dataset_every_question_once_in_the_plan_of_each_epoch(vqa):
         assert parts == [plans[epoch][0::2], plans[epoch][1::2]]
 
 
+def test_trl_dataset_images_at_a_pixel_budget_unpadded(vqa):
+    from pipeline.images import smart_resize
+
+    budget = dict(pixel_factor=14, min_pixels=56 * 56, max_pixels=70 * 70)
+    ds = trl_dataset(vqa, "train", image_size=None, seed=SEED, **budget)
+    sizes = set()
+    for x in ds:
+        with Image.open(pathlib.Path(vqa).parent / "src" / "images" / x["image_path"]) as original:
+            h, w = smart_resize(original.height, original.width, 14, 56 * 56, 70 * 70)
+        assert isinstance(x["image"], Image.Image) and x["image"].mode == "RGB"
+        assert (x["image"].height, x["image"].width) == (h, w), "its own budgeted size, no padding"
+        sizes.add((h, w))
+    assert len(sizes) > 1, "images of several sizes"
+    with pytest.raises(ValueError, match="needs image_size=None"):
+        trl_dataset(vqa, "train", **budget)
+
+
 def test_trl_dataset_refuses_other_kinds(sa1b_dataset):
     with pytest.raises(ValueError, match="do not take these options"):
         trl_dataset(sa1b_dataset, "train")

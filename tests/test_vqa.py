@@ -18,7 +18,9 @@ import torch
 from PIL import Image
 
 from pipeline import SampleError, make_stream_loader, validate_first_batch
+from pipeline.errors import ConfigError
 from pipeline.format import Manifest, pack_record
+from pipeline.images import smart_resize
 from pipeline.rle import fit
 from pipeline.kinds.vqa import Vqa, VqaOptions
 from shard_tools.cli import main
@@ -440,6 +442,96 @@ def test_batches_hold_the_right_images_questions_and_fields(collections_, packed
             assert not batch["images"][i, :, h:].any() and not batch["images"][i, :, :, w:].any(), "zero padding"
             seen += 1
     assert seen == sum(len(v) for v in expected.values())
+
+
+BUDGET = dict(image_size=None, pixel_factor=16, min_pixels=80 * 80, max_pixels=96 * 96)  # some images up, some down
+
+
+def test_a_pixel_budget_gives_each_image_smart_resize_of_its_original_size(collections_, packed):
+    images, files = collections_["vqa-rad"]
+    expected = _expected("vqa-rad", json.loads(files["val"].read_text()))
+    options = VqaOptions(**BUDGET)
+    loader = make_stream_loader(packed["vqa-rad"], "val", batch_size=4, num_workers=2, drop_last=False, **BUDGET)
+    seen, grew, shrank = 0, False, False
+    for batch in loader:
+        assert Vqa(options).check(batch, 0) == []
+        assert list(batch["images"].shape[2:]) == batch["image_sizes"].max(0).values.tolist(), "padded to the largest"
+        for i, path in enumerate(batch["paths"]):
+            with Image.open(images / path) as original:
+                size, mode = (original.height, original.width), original.mode
+                wide = Image.fromarray((np.asarray(original).astype(np.int64) >> 8).astype(np.uint8)) \
+                    if mode == "I;16" else original
+                rgb = wide.convert("RGB")
+            h, w = smart_resize(*size, 16, 80 * 80, 96 * 96)
+            assert batch["original_sizes"][i].tolist() == list(size) and batch["image_sizes"][i].tolist() == [h, w]
+            assert h % 16 == 0 and w % 16 == 0 and h * w <= 96 * 96
+            grew, shrank = grew or h * w > size[0] * size[1], shrank or h * w < size[0] * size[1]
+            got = batch["images"][i, :, :h, :w].permute(1, 2, 0).numpy().astype(int)
+            want = np.asarray(rgb.resize((w, h), Image.Resampling.BILINEAR)).astype(int)
+            assert np.abs(got - want).mean() < 8, path
+            assert not batch["images"][i, :, h:].any() and not batch["images"][i, :, :, w:].any(), "zero padding"
+            seen += 1
+        for sample in Vqa(options).unbatch(batch):
+            assert list(sample["images"].shape[1:]) == sample["image_sizes"].tolist(), "unpadded"
+        wrong = dict(batch, image_sizes=batch["image_sizes"] + 16, images=torch.nn.functional.pad(batch["images"],
+                                                                                                  (0, 16, 0, 16)))
+        assert any("pixel budget" in p for p in Vqa(options).check(wrong, 0))
+    assert seen == sum(len(v) for v in expected.values()) and grew and shrank
+
+
+def test_a_pixel_budget_is_checked_and_refuses_an_image_too_elongated(packed):
+    given = {"pixel_factor": 28}
+    assert VqaOptions(image_size=None, **given) == VqaOptions(image_size=None, min_pixels=56 * 56,
+                                                              max_pixels=28 * 28 * 1280), "Qwen2-VL's defaults"
+    assert VqaOptions(image_size=None).budget is None and VqaOptions(image_size=None, **given).budget == (28, 3136,
+                                                                                                          1003520)
+    cases = [
+        ({"min_pixels": 3136}, r"min_pixels=3136: the pixel budget sizes each image on its own and needs "
+                               r"image_size=None, got image_size=448"),
+        ({"image_size": None, "pixel_factor": 0}, r"pixel_factor must be a positive int \(None: Qwen2-VL's 28\), "
+                                                  r"got 0"),
+        ({"image_size": None, "min_pixels": 2.5}, r"min_pixels must be a positive int .* got 2.5"),
+        ({"image_size": None, "max_pixels": True}, r"max_pixels must be a positive int .* got True"),
+        ({"image_size": None, "max_pixels": 700}, r"max_pixels must be in \[pixel_factor\*\*2, max_image_pixels\] = "
+                                                  r"\[784, \d+\], got 700"),
+        ({"image_size": None, "max_pixels": 1 << 40}, r"max_pixels must be in .*, got 1099511627776"),
+        ({"image_size": None, "min_pixels": 5000, "max_pixels": 4000}, r"min_pixels must be at most max_pixels "
+                                                                       r"\(4000\), got 5000"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            VqaOptions(**options)
+    with pytest.raises(ConfigError, match="needs image_size=None"):
+        make_stream_loader(packed["vqa-rad"], "train", batch_size=2, num_workers=0, max_pixels=4096)
+    (ext, data, record) = next(iter(_samples(packed["vqa-rad"]).values()))
+    kind = Vqa(VqaOptions(image_size=None, pixel_factor=28))
+    long = {**record, "image": {**record["image"], "height": 2, "width": 403}}  # as the original: 1:201.5
+    sample = kind.open({ext: data, "msgpack": pack_record(long)}, url="shard.tar", key="k")
+    with pytest.raises(SampleError, match=r"shard.tar: sample 'k', field 'image': 2x403 \(h x w\) has no pixel "
+                                          r"budget: aspect ratio 201.5 is over 200") as caught:
+        kind.decode(sample, seed=0, epoch=0, url="shard.tar", key="k")
+    assert (caught.value.url, caught.value.key, caught.value.field) == ("shard.tar", "k", "image")
+
+
+def test_preview_takes_the_pixel_budget_as_flags(packed, tmp_path, caplog):
+    argv = ["preview", packed["slake"], "--split", "train", "-n", "2", "--out", str(tmp_path / "p.png")]
+    assert main([*argv, "--image-size", "none", "--max-pixels", "4096", "--pixel-factor", "14"]) == 0
+    assert main([*argv, "--max-pixels", "4096"]) == 2
+    assert "max_pixels=4096: the pixel budget sizes each image on its own and needs image_size=None" in caplog.text
+
+
+def test_a_state_of_another_pixel_budget_is_refused(packed):
+    def loader(**budget):
+        return make_stream_loader(packed["vqa-rad"], "train", batch_size=2, num_workers=0, image_size=None, **budget)
+
+    first = loader(max_pixels=64 * 64)
+    next(iter(first))
+    state = first.state_dict()
+    loader(max_pixels=64 * 64, pixel_factor=28).load_state_dict(state)  # the same budget in full
+    with pytest.raises(ValueError, match=r"other options of the kind \(max_pixels: 4096 there, 9216 here\)"):
+        loader(max_pixels=96 * 96).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"other options of the kind \(.*pixel_factor: 28 there, None here"):
+        loader().load_state_dict(state)
 
 
 def test_per_image_batches_carry_each_images_questions(collections_, packed):

@@ -3,12 +3,15 @@
 `per="question"` (the default) yields one sample per question: the plan orders questions, and a
 worker opens each image's sample once for its questions (see `Kind.units`). `per="image"` yields
 one sample per image with its lists of questions and answers. Images are resized to long side
-`image_size` (or kept as stored with `image_size=None`) and always RGB: grayscale is replicated,
-palettes expanded, alpha dropped, 16-bit samples scaled to 8 bits.
+`image_size` (or kept as stored with `image_size=None`, or with a pixel budget, `min_pixels`,
+`max_pixels`, `pixel_factor`, to the (h, w) Qwen2-VL's `smart_resize` gives their original size)
+and always RGB: grayscale is replicated, palettes expanded, alpha dropped, 16-bit samples scaled to
+8 bits.
 
 Batches (`make_stream_loader`): `images` uint8 (B, 3, H, W), zero-padded to (image_size,
-image_size) or, with `image_size=None`, to the batch's largest height and width; `image_sizes` and
-`original_sizes` int64 (B, 2) as (h, w); strings and original records as lists (see `Vqa.fields`).
+image_size) or, with `image_size=None` (as stored or budgeted), to the batch's largest height and
+width; `image_sizes` and `original_sizes` int64 (B, 2) as (h, w); strings and original records as
+lists (see `Vqa.fields`).
 The TRL form (`form="trl"`, set by `pipeline.trl_dataset`) gives per-question dicts in the
 conversational form TRL's GRPOTrainer consumes.
 """
@@ -30,7 +33,9 @@ from pipeline.errors import ConfigError, SampleError, excerpt
 from pipeline.format import (
     VQA_IMAGE_EXTS, VQA_IMAGE_FIELDS, VQA_QUESTION_FIELDS, VQA_RECORD, VQA_RECORD_FIELDS, unpack_record,
 )
-from pipeline.images import MAX_IMAGE_PIXELS, decode_image
+from pipeline.images import (
+    MAX_IMAGE_PIXELS, QWEN2_VL_FACTOR, QWEN2_VL_MAX_PIXELS, QWEN2_VL_MIN_PIXELS, decode_image, smart_resize,
+)
 from pipeline.kinds.schema import BatchField, problems
 from pipeline.rle import fit
 from pipeline.stats import Clock
@@ -45,15 +50,25 @@ _FORMATS = {ext: fmt for fmt, ext in VQA_IMAGE_EXTS.items()}
 STAGES = ("image",)  # the part of `Vqa.decode` it times (`Kind.stages`)
 
 
+_BUDGET = ("pixel_factor", "min_pixels", "max_pixels")  # Qwen2-VL's pixel budget (`pipeline.images.smart_resize`)
+_BUDGET_DEFAULTS = {"pixel_factor": QWEN2_VL_FACTOR, "min_pixels": QWEN2_VL_MIN_PIXELS,
+                    "max_pixels": QWEN2_VL_MAX_PIXELS}
+
+
 @dataclasses.dataclass(frozen=True)
 class VqaOptions:
     """How VQA samples are read: one per question or per image, images at long side `image_size`
-    (None: as stored), and whether samples are collated into batches or given in TRL's form."""
+    (None: as stored, or with a pixel budget at Qwen2-VL's `smart_resize` of their original size),
+    and whether samples are collated into batches or given in TRL's form. Given any of the budget's
+    three, the others take Qwen2-VL's defaults (28, 56*56, 28*28*1280)."""
 
     per: str = "question"
     image_size: int | None = 448
     max_image_pixels: int = MAX_IMAGE_PIXELS  # larger images are refused, never decoded
     form: str = "batch"  # "trl": one dict per sample (set by `pipeline.trl_dataset`)
+    min_pixels: int | None = None  # the pixel budget, off while all three are None
+    max_pixels: int | None = None
+    pixel_factor: int | None = None
 
     def __post_init__(self) -> None:
         if self.per not in PER:
@@ -66,6 +81,31 @@ class VqaOptions:
             raise ConfigError(f"form must be one of {FORMS}, got {self.form!r}")
         if self.form == "trl" and self.per != "question":
             raise ConfigError("the TRL form is one prompt per question: per must be 'question'")
+        given = {name: getattr(self, name) for name in _BUDGET if getattr(self, name) is not None}
+        if given:
+            if self.image_size is not None:
+                raise ConfigError(f"{', '.join(f'{k}={v!r}' for k, v in given.items())}: the pixel budget sizes each "
+                                  f"image on its own and needs image_size=None, got image_size={self.image_size!r}")
+            for name in _BUDGET:  # the budget in full, so that equal budgets are equal options
+                object.__setattr__(self, name, given.get(name, _BUDGET_DEFAULTS[name]))
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        for name in _BUDGET:
+            if not is_int_at_least(getattr(self, name), 1):
+                raise ConfigError(f"{name} must be a positive int (None: Qwen2-VL's {_BUDGET_DEFAULTS[name]}), "
+                                  f"got {getattr(self, name)!r}")
+        factor, low, high = self.pixel_factor, self.min_pixels, self.max_pixels
+        if not factor * factor <= high <= self.max_image_pixels:
+            raise ConfigError(f"max_pixels must be in [pixel_factor**2, max_image_pixels] = [{factor * factor}, "
+                              f"{self.max_image_pixels}], got {high}")
+        if low > high:
+            raise ConfigError(f"min_pixels must be at most max_pixels ({high}), got {low}")
+
+    @property
+    def budget(self) -> tuple[int, int, int] | None:
+        """(pixel_factor, min_pixels, max_pixels), the arguments of `smart_resize`; None when off."""
+        return None if self.pixel_factor is None else (self.pixel_factor, self.min_pixels, self.max_pixels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +151,35 @@ def _trl(sample: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _frame(sample: VqaSample, options: VqaOptions, url: str, key: str) -> tuple[int, int] | None:
+    """The (h, w) a sample's image is decoded to: long side `image_size`, Qwen2-VL's `smart_resize` of
+    its original size under a pixel budget, or None (as stored)."""
+    if options.image_size is not None:
+        return fit(*sample.stored_size, options.image_size)
+    if options.budget is None:
+        return None
+    height, width = sample.image["height"], sample.image["width"]
+    try:
+        return smart_resize(height, width, *options.budget)
+    except ValueError as exc:
+        raise SampleError(f"{height}x{width} (h x w) has no pixel budget: {exc}", url=url, key=key,
+                          field="image") from exc
+
+
+def _budget_problems(image_sizes: torch.Tensor, original_sizes: torch.Tensor, options: VqaOptions) -> list[str]:
+    """Sizes that are not `smart_resize` of their original sizes, under a pixel budget."""
+    if options.budget is None:
+        return []
+    for size, original in zip(image_sizes.tolist(), original_sizes.cpu().tolist()):
+        try:
+            want = list(smart_resize(*original, *options.budget))
+        except ValueError as exc:
+            return [f"original_sizes: {original}: {exc}"]
+        if size != want:
+            return [f"image_sizes: {size} for an original {original}, the pixel budget {options.budget} gives {want}"]
+    return []
+
+
 def _value_problems(batch: dict[str, Any], options: VqaOptions) -> list[str]:
     """What is wrong with the values of a batch of the right keys, dtypes and shapes: image sizes and
     padding, question counts, empty texts."""
@@ -124,6 +193,8 @@ def _value_problems(batch: dict[str, Any], options: VqaOptions) -> list[str]:
         found.append(f"image_sizes: {sizes.tolist()}, the long side should be {options.image_size}")
     elif options.image_size is None and (sizes.max(0).values.tolist() != [height, width]):
         found.append(f"images: {height}x{width}, more than the largest image {sizes.max(0).values.tolist()}")
+    elif budget := _budget_problems(sizes, batch["original_sizes"], options):
+        found += budget
     else:
         rows = torch.arange(height)[None, :] >= sizes[:, :1]
         cols = torch.arange(width)[None, :] >= sizes[:, 1:]
@@ -154,8 +225,10 @@ class Vqa:
 
     @classmethod
     def of(cls, manifests: Sequence[Any], limits: Any, *, per: str = "question", image_size: int | None = 448,
-           form: str = "batch") -> Vqa:
-        return cls(VqaOptions(per=per, image_size=image_size, max_image_pixels=limits.max_image_pixels, form=form))
+           form: str = "batch", min_pixels: int | None = None, max_pixels: int | None = None,
+           pixel_factor: int | None = None) -> Vqa:
+        return cls(VqaOptions(per=per, image_size=image_size, max_image_pixels=limits.max_image_pixels, form=form,
+                              min_pixels=min_pixels, max_pixels=max_pixels, pixel_factor=pixel_factor))
 
     @classmethod
     def for_verify(cls, manifest: Any) -> Vqa:
@@ -203,8 +276,7 @@ class Vqa:
             _check(unit < len(questions), url, key, "questions", f"question {unit} asked for, the sample holds "
                    f"{len(questions)} (manifest and shard disagree)")
             questions = [questions[unit]]
-        height, width = sample.stored_size
-        frame = None if options.image_size is None else fit(height, width, options.image_size)
+        frame = _frame(sample, options, url, key)
         clock.mark()
         pixels = decode_image(sample.data, frame, url, key, options.max_image_pixels,
                               formats=(_FORMATS[sample.ext],), field=sample.ext, size=sample.stored_size)
@@ -269,7 +341,8 @@ class Vqa:
 
     def fields(self, epoch: int) -> tuple[BatchField, ...]:
         """A finished batch's fields (form "batch"): B images, of (image_size, image_size) or, with
-        `image_size=None`, of the batch's largest (H, W); the per-sample integers; lists of B."""
+        `image_size=None` (as stored or budgeted), of the batch's largest (H, W); the per-sample
+        integers; lists of B."""
         s = self.options.image_size
         return (
             BatchField("images", torch.uint8, ("B", 3, "H", "W") if s is None else ("B", 3, s, s)),
@@ -280,5 +353,5 @@ class Vqa:
 
     def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
         """What is wrong with a finished batch (empty if nothing): keys, dtypes and shapes (`fields`),
-        then sizes, padding, counts and texts."""
+        then sizes (under a pixel budget: each `smart_resize` of its original), padding, counts and texts."""
         return problems(batch, self.fields(epoch)) or _value_problems(batch, self.options)
