@@ -29,7 +29,7 @@ from pipeline.state import ORDER_SETTINGS, STATE_VERSION, describe, fingerprint,
 from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
 from pipeline.storage.places import Places
 from pipeline.schedule import FirstOut
-from pipeline.watchdog import Progress
+from pipeline.watchdog import Progress, next_batch, tick
 from pipeline.stream import ShardStream, WorkerError
 
 __all__ = ["LoaderConfig", "LoaderStats", "StreamLoader", "make_stream_loader", "make_stream_dataset",
@@ -157,18 +157,20 @@ class StreamLoader:
         read-ahead waits for iteration `ticket`'s first batch (`schedule.FirstOut`)."""
         self._check_current(generation)
         clock, start = self._clock, time.perf_counter_ns()  # the hand-off: from asking to getting (workers start)
-        progress = self._stream.progress
-        if progress is not None:
-            progress.begin()
+        if (progress := self._stream.progress) is not None:
+            progress.begin()  # (a stall counts from here at the earliest)
         batches = iter(self._loader)
         try:
             while True:
                 self._check_current(generation)
                 try:
-                    batch = _next_batch(batches, progress, self.config.stall_timeout)
+                    batch = next_batch(batches, progress, self.config.stall_timeout)
                 except StopIteration:
                     clock.add("hand-off", time.perf_counter_ns() - start)
                     return
+                except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
+                    raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
+                                       f"memory?): {_describe(exc)}") from exc
                 except StallError as error:
                     log.error("%s", error)
                     self.close()  # (torch ends the stuck workers: SIGTERM after its join timeout)
@@ -293,28 +295,6 @@ def _world(rank: int | None, world_size: int | None) -> World:
                 f"the whole split, or for data-parallel replicas a world_size dividing {group_size} with rank the "
                 "replica's index")
     return world
-
-
-def _next_batch(batches: Iterator[Any], progress: Progress | None, stall_timeout: float | None) -> Any:
-    """The DataLoader's next batch, waited for in ticks of the watchdog (`_watchdog_tick`, torch's
-    timeout): a StallError once no worker has moved for `stall_timeout` seconds."""
-    while True:
-        try:
-            return next(batches)
-        except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
-            raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
-                               f"memory?): {_describe(exc)}") from exc
-        except RuntimeError as exc:
-            if progress is None or stall_timeout is None or not str(exc).startswith("DataLoader timed out"):
-                raise
-            if progress.stalled(stall_timeout):
-                raise progress.error(stall_timeout) from None
-
-
-def _watchdog_tick(stall_timeout: float | None) -> float:
-    """How long the DataLoader waits for a batch before the loader looks at its workers' progress
-    (`watchdog.Progress.stalled`), then waits again: torch's `timeout`, 0 (none) without a watchdog."""
-    return 0 if stall_timeout is None else min(5.0, stall_timeout / 2)
 
 
 def _check_picklable(kind: Kind, method: str) -> None:
@@ -458,7 +438,7 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
         prefetch_factor=config.prefetch_factor if workers else None,
         persistent_workers=bool(workers) if config.persistent_workers is None else config.persistent_workers,
         multiprocessing_context=config.multiprocessing_context if workers else None,
-        timeout=_watchdog_tick(config.stall_timeout) if workers else 0,
+        timeout=tick(config.stall_timeout) if workers else 0,
     )
     return StreamLoader(stream, loader, device, manifests, split, config.stats_callback)
 

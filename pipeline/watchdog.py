@@ -13,14 +13,15 @@ import signal
 import tempfile
 import time
 import weakref
-from typing import IO
+from collections.abc import Iterator
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from pipeline.errors import StallError
 
-__all__ = ["Progress", "STAGES"]
+__all__ = ["Progress", "STAGES", "next_batch", "tick"]
 
 STAGES = ("starting", "reading", "decoding", "collating", "handing over a batch", "done")
 _TEXT = 512  # bytes of "URL key" kept per worker
@@ -82,6 +83,25 @@ class Progress:
 
     def __getstate__(self) -> dict[str, object]:  # (a spawned worker opens its own stack file)
         return {**self.__dict__, "_dumps": None, "_rows": None}
+
+
+def tick(stall_timeout: float | None) -> float:
+    """How long the DataLoader waits for a batch before the loader looks at its workers' progress,
+    then waits again: torch's `timeout` (0, none, without a watchdog)."""
+    return 0 if stall_timeout is None else min(5.0, stall_timeout / 2)
+
+
+def next_batch(batches: Iterator[Any], progress: Progress | None, stall_timeout: float | None) -> Any:
+    """The DataLoader's next batch, waited for in `tick`s (torch's timeout, after which its iterator
+    is still whole and waits on): a StallError once no worker has moved for `stall_timeout` seconds."""
+    while True:
+        try:
+            return next(batches)
+        except RuntimeError as exc:
+            if progress is None or stall_timeout is None or not str(exc).startswith("DataLoader timed out"):
+                raise
+            if progress.stalled(stall_timeout):
+                raise progress.error(stall_timeout) from None
 
 
 def _stack(pid: int, path: str) -> str:
