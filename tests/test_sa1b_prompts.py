@@ -180,8 +180,9 @@ def test_fill_masks_repeats_eligible_masks_up_to_max_masks(sa1b_dataset, sources
             mh, mw = reference.shape[1:]
             got = batch["masks"][i, :count, :mh, :mw]
             assert torch.equal(got[: len(eligible)], reference), "every eligible mask once, in order, first"
-            for row in got[len(eligible):]:
-                assert any(torch.equal(row, r) for r in reference), "then repeats of eligible masks only"
+            rows = [next(j for j, r in enumerate(reference) if torch.equal(row, r)) for row in got]  # (none: fails)
+            times = np.bincount(rows, minlength=len(eligible))
+            assert set(times) <= {30 // len(eligible), 30 // len(eligible) + 1}, "repeats balanced (EfficientViT-SAM)"
             ious = {meta["annotations"][j]["predicted_iou"] for j in eligible}
             assert {round(v, 5) for v in batch["predicted_ious"][i].tolist()} <= {round(v, 5) for v in ious}
             filled += len(eligible) < 30

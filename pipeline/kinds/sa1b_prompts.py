@@ -80,8 +80,9 @@ def chosen_masks(columns: dict[str, np.ndarray], size: tuple[int, int], options:
     """The masks a sample uses, as indices into its columns: those the rules allow (area at most
     `max_mask_area` of the image, predicted IoU and stability at least their minimums), up to `limit`
     of them chosen as `choose_masks` chooses among all (the same draw: with no rule, the same masks).
-    With `fill_masks`, fewer than `limit` are topped up to `limit` by repeats drawn uniformly, with
-    replacement, from those chosen (a stream of their own), after them."""
+    With `fill_masks`, k < `limit` chosen are repeated up to `limit` as EfficientViT-SAM does: all k
+    limit // k times over, in order, then limit % k of them drawn without replacement (a stream of
+    their own; kept in order): each appears limit // k or limit // k + 1 times."""
     keep = np.ones(len(columns["area"]), bool)
     if options.max_mask_area is not None:
         keep &= columns["area"] <= options.max_mask_area * size[0] * size[1]
@@ -92,8 +93,9 @@ def chosen_masks(columns: dict[str, np.ndarray], size: tuple[int, int], options:
     eligible = np.flatnonzero(keep)
     chosen = eligible[choose_masks(eligible.size, limit, draw.seed, draw.epoch, draw.key)]
     if options.fill_masks and 0 < chosen.size < limit:
-        repeats = draw.rng(Purpose.MASK_REPEATS).integers(0, chosen.size, limit - chosen.size)
-        chosen = np.concatenate([chosen, chosen[repeats]])
+        cycles, rest = divmod(limit, chosen.size)
+        extra = np.sort(draw.rng(Purpose.MASK_REPEATS).choice(chosen.size, rest, replace=False))
+        chosen = np.concatenate([np.tile(chosen, cycles), chosen[extra]])
     return chosen
 
 
