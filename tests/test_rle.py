@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pycocotools import mask as mask_utils
 
-from pipeline.rle import RLEError, check, fit, foreground_pixels, nearest_index, raster, raster_bits
+from pipeline.rle import RLEError, check, fit, foreground_pixels, nearest_index, parse, raster, raster_bits
 
 
 def _reference(masks: np.ndarray, out: tuple[int, int]) -> tuple[list[bytes], np.ndarray]:
@@ -116,7 +116,7 @@ def test_invalid_counts_are_errors(counts, message):
         with pytest.raises(RLEError, match="mask 1"):
             decode([b"4", counts], (2, 2), (2, 2))
     with pytest.raises(RLEError, match="mask 1"):
-        foreground_pixels([b"13", counts], (2, 2), np.zeros((2, 1)))
+        parse([b"13", counts], (2, 2))
 
 
 @settings(max_examples=200, deadline=None)
@@ -138,19 +138,20 @@ def test_foreground_pixels_are_pycocotools_foreground_in_column_major_order(heig
     areas = full.reshape(-1, k).sum(0)
     most = int(areas.max())
     fractions = (np.arange(most)[None, :] + 0.5) / areas[:, None]
-    got = foreground_pixels(strings, (height, width), np.minimum(fractions, 0.999999))
+    got = foreground_pixels(parse(strings, (height, width)), np.minimum(fractions, 0.999999))
     assert got.shape == (k, most, 2) and got.dtype == np.int64
     for i in range(k):
         columns, rows = np.nonzero(full[..., i].T)  # column-major: by column, then row
         np.testing.assert_array_equal(got[i, : areas[i]], np.stack([columns, rows], 1))
-    random = foreground_pixels(strings, (height, width), rng.random((k, 50)))
-    assert full[random[..., 1], random[..., 0], np.arange(k)[:, None]].all()
+    rows = rng.integers(0, k, 7)  # (rows: masks picked by index, repeats allowed)
+    random = foreground_pixels(parse(strings, (height, width)), rng.random((7, 50)), rows)
+    assert full[random[..., 1], random[..., 0], rows[:, None]].all()
 
 
 def test_a_mask_with_no_pixel_has_no_point():
     with pytest.raises(RLEError, match="mask 1.*no foreground pixel"):
-        foreground_pixels([b"13", b"4"], (2, 2), np.zeros((2, 3)))
-    assert foreground_pixels([], (2, 2), np.zeros((0, 3))).shape == (0, 3, 2)
+        foreground_pixels(parse([b"13", b"4"], (2, 2)), np.zeros((2, 3)))
+    assert foreground_pixels(parse([], (2, 2)), np.zeros((0, 3))).shape == (0, 3, 2)
 
 
 def test_no_masks():

@@ -19,7 +19,7 @@ from pipeline import make_stream_loader
 from pipeline.errors import ConfigError
 from pipeline.kinds.sa1b import Sa1b, Sa1bOptions
 from pipeline.kinds.sa1b_prompts import Draw, box_prompts, choose_masks, point_prompts
-from pipeline.rle import fit, nearest_index
+from pipeline.rle import fit, nearest_index, parse
 
 BASE = dict(batch_size=3, num_workers=0, seed=11, drop_last=False, image_size=80, mask_size=32)
 SAM = dict(max_mask_area=0.09, points_per_mask=3, box_noise=0.1)
@@ -103,7 +103,8 @@ def test_points_lie_on_their_masks_at_full_size_and_masks_follow_the_rules(sa1b_
 def _point_counts(mask: np.ndarray, points: int, key: str) -> np.ndarray:
     """How often each foreground pixel of `mask` (H, W) is drawn in `points` draws, column-major."""
     rle = mask_utils.encode(np.asfortranarray(mask[..., None].astype(np.uint8)))[0]
-    xy = point_prompts([rle["counts"]], mask.shape, mask.shape, points, Draw(3, 1, key))[0]  # frame = original
+    xy = point_prompts(parse([rle["counts"]], mask.shape), np.zeros(1, np.int64), mask.shape, points,
+                       Draw(3, 1, key))[0]  # (frame = original)
     columns, rows = (xy[:, 0] - 0.5).astype(int), (xy[:, 1] - 0.5).astype(int)
     assert mask[rows, columns].all()
     hits = np.zeros(mask.shape, np.int64)
@@ -127,7 +128,8 @@ def test_points_are_uniform_over_the_mask():
     yy, xx = np.mgrid[:300, :420]
     large = (yy - 150) ** 2 / 120 ** 2 + (xx - 200) ** 2 / 170 ** 2 < 1  # an ellipse
     rle = mask_utils.encode(np.asfortranarray(large[..., None].astype(np.uint8)))[0]
-    xy = point_prompts([rle["counts"]], large.shape, large.shape, 20000, Draw(3, 1, "large"))[0]
+    xy = point_prompts(parse([rle["counts"]], large.shape), np.zeros(1, np.int64), large.shape, 20000,
+                       Draw(3, 1, "large"))[0]
     quadrant = (xy[:, 0] > 200).astype(int) * 2 + (xy[:, 1] > 150)
     pixels = np.array([large[:150, :200].sum(), large[150:, :200].sum(), large[:150, 200:].sum(),
                        large[150:, 200:].sum()])  # (a point at x > 200 is in column 200 or right of it)

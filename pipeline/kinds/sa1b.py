@@ -26,7 +26,7 @@ from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.kinds.sa1b_prompts import (Draw, check_options, choose_masks, chosen_masks, prompt_columns,
                                          prompt_problems, prompts_of)
 from pipeline.kinds.schema import BatchField, problems
-from pipeline.rle import RLEError, check, fit, raster_bits
+from pipeline.rle import RLEError, bits_of, check, fit, parse
 from pipeline.stats import Clock
 
 __all__ = [
@@ -223,12 +223,12 @@ class Sa1b:
         clock.split("image")
         distinct, rows = np.unique(chosen, return_inverse=True)  # (repeats, with fill_masks, decoded once)
         try:
-            masks = raster_bits([counts[i] for i in distinct], (height, width), mask_frame)
+            parsed = parse([counts[i] for i in distinct], (height, width))  # (once: masks and points)
+            masks = bits_of(parsed, mask_frame)
         except RLEError as exc:
             raise _mask_error(exc, distinct, url, key) from exc
         try:  # (the RLE of every chosen mask is valid: only a mask with no pixel has no point)
-            prompts = prompts_of([counts[i] for i in chosen], columns["bbox"][chosen], (height, width), frame,
-                                 options, draw)
+            prompts = prompts_of(parsed, rows, columns["bbox"][chosen], frame, options, draw)
         except RLEError as exc:
             raise _mask_error(exc, chosen, url, key) from exc
         clock.split("masks")

@@ -12,14 +12,13 @@ frame (h, w); a pixel (column c, row r) covers [c, c + 1) x [r, r + 1) in its fr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.rle import foreground_pixels
+from pipeline.rle import Runs, foreground_pixels
 from pipeline.seeds import Purpose, key_entropy, sample_rng
 
 __all__ = ["Draw", "choose_masks", "chosen_masks", "point_prompts", "box_prompts", "check_options",
@@ -99,13 +98,13 @@ def chosen_masks(columns: dict[str, np.ndarray], size: tuple[int, int], options:
     return chosen
 
 
-def point_prompts(counts: Sequence[bytes], size: tuple[int, int], frame: tuple[int, int], points: int,
-                  draw: Draw) -> np.ndarray:
-    """(n, points, 2) float32 XY in the image frame: for each of the n masks (COCO RLE of an original
-    `size` image), `points` pixels drawn uniformly, independently, over its foreground at full
-    resolution (from its runs: no raster), each at its pixel's center."""
-    fractions = draw.rng(Purpose.POINTS).random((len(counts), points))
-    pixels = foreground_pixels(counts, size, fractions)
+def point_prompts(masks: Runs, rows: np.ndarray, frame: tuple[int, int], points: int, draw: Draw) -> np.ndarray:
+    """(n, points, 2) float32 XY in the image frame: for each of the n rows (a mask of `masks`, parsed
+    RLE of the original image), `points` pixels drawn uniformly, independently, over its foreground
+    at full resolution (from its runs: no raster), each at its pixel's center."""
+    fractions = draw.rng(Purpose.POINTS).random((len(rows), points))
+    pixels = foreground_pixels(masks, fractions, rows)
+    size = masks.size
     scale = np.array([frame[1] / size[1], frame[0] / size[0]])
     return ((pixels + 0.5) * scale).astype(np.float32)
 
@@ -130,15 +129,16 @@ def box_prompts(bbox: np.ndarray, size: tuple[int, int], frame: tuple[int, int],
     return (ordered * np.array([frame[1] / width, frame[0] / height] * 2)).astype(np.float32)
 
 
-def prompts_of(counts: Sequence[bytes], bbox: np.ndarray, size: tuple[int, int], frame: tuple[int, int],
-               options: Any, draw: Draw) -> dict[str, np.ndarray]:
-    """The prompts the options ask for (`point_coords`, `prompt_boxes`) of the chosen masks: their RLE
-    `counts` and `bbox` (XYWH, original frame) in order, repeats included (each row draws its own)."""
+def prompts_of(masks: Runs, rows: np.ndarray, bbox: np.ndarray, frame: tuple[int, int], options: Any,
+               draw: Draw) -> dict[str, np.ndarray]:
+    """The prompts the options ask for (`point_coords`, `prompt_boxes`) of the chosen masks' rows: each
+    row's mask among `masks` (parsed), and its `bbox` (XYWH, original frame); a repeated mask's rows
+    each draw their own."""
     prompts = {}
     if options.points_per_mask:
-        prompts["point_coords"] = point_prompts(counts, size, frame, options.points_per_mask, draw)
+        prompts["point_coords"] = point_prompts(masks, rows, frame, options.points_per_mask, draw)
     if options.box_noise is not None:
-        prompts["prompt_boxes"] = box_prompts(bbox, size, frame, options, draw)
+        prompts["prompt_boxes"] = box_prompts(bbox, masks.size, frame, options, draw)
     return prompts
 
 
