@@ -1,6 +1,7 @@
 """SA-1B loader benchmark: make_stream_loader vs a naive loader vs the decode-only floor, one run.
 
     python bench/sa1b_loader.py [--images 128] [--workers 2]     (or: make bench)
+    python bench/sa1b_loader.py --images 256 --sam     (the cost of SAM's options, alone)
 
 (a) make_stream_loader: packed shards, num_workers=2, batch 8, image 1024, masks 256, max 64.
 (b) naive reference, as common tutorials do it: a map-style Dataset over the jpg/json files that
@@ -16,6 +17,9 @@ ratio on a busy machine), time to the first batch from constructing the loader, 
 the process tree (main + workers, VmHWM summed; Linux), each beside its reference from the same run.
 Each runs in its own subprocess so its peak memory is its own. Timings are medians over epochs
 (after a warm-up epoch); compare them as ratios within one run, never across machines.
+--sam: (a) with and without SAM fine-tuning's options (SAM_OPTIONS: mask area rule, a point and a
+noisy box per mask), in alternating rounds; their ratio of samples/s is what the options cost
+(target >= 95%).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench-sa1b"
 SETTINGS = dict(batch_size=8, image_size=1024, mask_size=256, max_masks=64)
+SAM_OPTIONS = dict(max_mask_area=0.9, points_per_mask=1, box_noise=0.1)
 
 
 def prepare(images: int) -> pathlib.Path:
@@ -146,10 +151,11 @@ def measured(make, epochs: int) -> dict:
             "epoch_samples": timed["samples"] / (epochs + 1)}
 
 
-def run_loader(data: pathlib.Path, workers: int, epochs: int) -> dict:
+def run_loader(data: pathlib.Path, workers: int, epochs: int, **options) -> dict:
     from pipeline import make_stream_loader
 
-    return measured(lambda: make_stream_loader(str(data / "shards"), "train", num_workers=workers, **SETTINGS), epochs)
+    return measured(lambda: make_stream_loader(str(data / "shards"), "train", num_workers=workers, **SETTINGS,
+                                               **options), epochs)
 
 
 class NaiveDataset:
@@ -294,18 +300,23 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs of the loader (after one warm-up)")
     parser.add_argument("--naive-samples", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3, help="floor and loader runs, alternating")
-    parser.add_argument("--only", choices=["loader", "naive", "floor", "together"])
+    parser.add_argument("--only", choices=["loader", "naive", "floor", "together", "sam"])
+    parser.add_argument("--sam", action="store_true", help="only the loader, with and without SAM_OPTIONS")
     parser.add_argument("--data", type=pathlib.Path)
     args = parser.parse_args()
     if args.only:
         run = {"loader": lambda: run_loader(args.data, args.workers, args.epochs),
                "naive": lambda: run_naive(args.data, args.workers, args.naive_samples),
                "floor": lambda: run_floor(args.data, args.workers),
-               "together": lambda: run_floor_together(args.data, args.workers)}[args.only]
+               "together": lambda: run_floor_together(args.data, args.workers),
+               "sam": lambda: run_loader(args.data, args.workers, args.epochs, **SAM_OPTIONS)}[args.only]
         print(json.dumps(run()))
         return
 
     data = prepare(args.images)
+    if args.sam:
+        sam_cost(data, args)
+        return
     from pipeline.format import Manifest
 
     manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
@@ -344,6 +355,23 @@ def main() -> None:
     print(f"peak memory of the process tree (VmHWM summed): loader {statistics.median(r['tree_mb'] for r in loaders):.0f} MB; "
           f"reference: naive loader, same DataLoader settings, {results['naive']['tree_mb']:.0f} MB (target <= 1.1 x "
           f"the best peer's 1080 MB in issue 17)")
+
+def sam_cost(data: pathlib.Path, args: argparse.Namespace) -> None:
+    """The loader with SAM_OPTIONS beside the loader without them, in alternating rounds (one run each)."""
+    print(f"settings {SETTINGS}, num_workers={args.workers}, cores={os.cpu_count()}; SAM options {SAM_OPTIONS}",
+          flush=True)
+    runs = [{method: _child(method, data, args) for method in ("loader", "sam")} for _ in range(args.rounds)]
+    ratios = [r["sam"]["rate"] / r["loader"]["rate"] for r in runs]
+    cpu_ratios = [r["loader"]["cpu_ms"] / r["sam"]["cpu_ms"] for r in runs]
+    for method, label in (("loader", "(a) make_stream_loader"), ("sam", "(a) with SAM options")):
+        rates = [r[method]["rate"] for r in runs]
+        cpu = [r[method]["cpu_ms"] for r in runs]
+        print(f"{label:<28}{statistics.median(rates):>8.1f} samples/s (rounds {', '.join(f'{x:.1f}' for x in rates)}); "
+              f"{statistics.median(cpu):.1f} ms CPU per sample")
+    print(f"with / without = {statistics.median(ratios):.1%} by samples/s, {statistics.median(cpu_ratios):.1%} by CPU "
+          f"per sample (target >= 95%; medians of {args.rounds} rounds: {', '.join(f'{r:.1%}' for r in ratios)}; "
+          f"by CPU {', '.join(f'{r:.1%}' for r in cpu_ratios)})")
+
 
 if __name__ == "__main__":
     main()

@@ -10,17 +10,24 @@ the runs. Work is O(runs + h*w), never O(H*W). Many masks are decoded in one vec
 `raster_bits` gives the same masks 8 pixels to a byte, as the loader sends them: it packs the
 column-major raster as it comes and transposes 8x8 bit blocks, so the row-major bool masks (a
 byte-wise transpose, ~40% of `raster`'s time) are never made.
+
+`foreground_pixels` picks pixels of the masks at full resolution from the runs alone: the n-th
+foreground pixel in column-major order lies in the foreground run whose cumulative length first
+passes n, found by one search over the runs. O(runs + picks), no raster at all. `parse` gives
+masks parsed once for both (`bits_of`, `foreground_pixels`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from pipeline.errors import RLEError
 
-__all__ = ["RLEError", "fit", "nearest_index", "run_lengths", "check", "raster", "raster_bits"]
+__all__ = ["RLEError", "Runs", "fit", "nearest_index", "run_lengths", "parse", "check", "raster", "raster_bits",
+           "bits_of", "foreground_pixels"]
 
 _MAX_CHARS_PER_VALUE = 12  # 60 bits: more would overflow int64, and no valid mask needs it
 
@@ -38,6 +45,12 @@ def nearest_index(src: int, dst: int) -> np.ndarray:
 
 def run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """Run lengths of every string, concatenated, and the number of runs of each string."""
+    runs, runs_per, _ = _run_lengths(strings)
+    return runs, runs_per
+
+
+def _run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`run_lengths`, and whether each run is odd within its string (a foreground run)."""
     lens = np.fromiter((len(s) for s in strings), np.int64, len(strings))
     for index in np.flatnonzero(lens == 0):
         raise RLEError("empty counts string", index=int(index))
@@ -72,16 +85,43 @@ def run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     before_odd = np.where(first > 0, c2[first - 1], 0)  # (m = 1, 3, ... follow the previous string's values)
     runs = c2 - np.where(odd, np.repeat(before_odd, runs_per), np.repeat(c2[first], runs_per))
     runs[first] = values[first]
-    return runs, runs_per
+    return runs, runs_per, odd
 
 
 def _owner(lens: np.ndarray, char_index: int) -> int:
     return int(np.searchsorted(np.cumsum(lens), char_index, side="right"))
 
 
-def _checked_runs(strings: Sequence[bytes], size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Run lengths, runs per string and each run's end, after checking they describe masks of `size`."""
-    runs, runs_per = run_lengths(strings)
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """Masks parsed once and checked (`parse`), for `bits_of` and `foreground_pixels` alike: run lengths
+    of all (concatenated), runs per mask, each run's end counted over all, each mask's first run, and
+    which runs are of 1s."""
+
+    size: tuple[int, int]
+    runs: np.ndarray
+    runs_per: np.ndarray
+    total: np.ndarray
+    first: np.ndarray
+    foreground: np.ndarray  # bool per run: odd within its mask (runs alternate 0s and 1s, 0s first)
+
+    def __len__(self) -> int:
+        return len(self.runs_per)
+
+
+def parse(strings: Sequence[bytes], size: tuple[int, int]) -> Runs:
+    """The masks' runs, checked to describe masks of `size` (else RLEError, naming the mask)."""
+    if not strings:
+        none = np.zeros(0, np.int64)
+        return Runs(size, none, none, none, none, none.astype(bool))
+    runs, runs_per, total, odd = _checked_runs(strings, size)
+    return Runs(size, runs, runs_per, total, np.cumsum(runs_per) - runs_per, odd)
+
+
+def _checked_runs(strings: Sequence[bytes], size: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Run lengths, runs per string, each run's end and whether it is a foreground run, after checking
+    they describe masks of `size`."""
+    runs, runs_per, odd = _run_lengths(strings)
     if runs.size and runs.min() < 0:
         raise RLEError("negative run",
                        index=int(np.searchsorted(np.cumsum(runs_per), np.argmax(runs < 0), side="right")))
@@ -90,7 +130,7 @@ def _checked_runs(strings: Sequence[bytes], size: tuple[int, int]) -> tuple[np.n
     sums = total[last] - np.concatenate(([0], total[last[:-1]]))
     for index in np.flatnonzero(sums != size[0] * size[1]):
         raise RLEError(f"runs cover {int(sums[index])} pixels, not {size[0]}x{size[1]}", index=int(index))
-    return runs, runs_per, total
+    return runs, runs_per, total, odd
 
 
 def check(strings: Sequence[bytes], size: tuple[int, int]) -> None:
@@ -99,13 +139,11 @@ def check(strings: Sequence[bytes], size: tuple[int, int]) -> None:
         _checked_runs(strings, size)
 
 
-def _columns(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def _columns(parsed: Runs, out: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """The masks sampled at the distinct sampled columns, column-major: (k, columns, h) bool, and
     each output column's index among them."""
-    (height, width), (h, w) = size, out
-    k = len(strings)
-    runs, runs_per, total = _checked_runs(strings, size)
-    first = np.cumsum(runs_per) - runs_per
+    (height, width), (h, w) = parsed.size, out
+    k, runs, runs_per, total, first = len(parsed), parsed.runs, parsed.runs_per, parsed.total, parsed.first
     bounds = total - np.repeat(total[first] - runs[first], runs_per)  # end of each run, per mask
     ys, xs = nearest_index(height, h), nearest_index(width, w)
     columns, column_of = np.unique(xs, return_inverse=True)
@@ -119,8 +157,7 @@ def _columns(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, in
     index = left[col] + np.where(sampled[col], above[row], 0)
     lengths = np.diff(index, prepend=0)
     lengths[first] = index[first]
-    parity = ((np.arange(runs.size) - np.repeat(first, runs_per)) & 1).astype(bool)
-    return np.repeat(parity, lengths).reshape(k, columns.size, h), column_of
+    return np.repeat(parsed.foreground, lengths).reshape(k, columns.size, h), column_of
 
 
 def raster(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]) -> np.ndarray:
@@ -131,7 +168,7 @@ def raster(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]
     """
     if not strings:
         return np.zeros((0, *out), bool)
-    return _row_major(*_columns(strings, size, out), out[1])
+    return _row_major(*_columns(parse(strings, size), out), out[1])
 
 
 def _row_major(by_column: np.ndarray, column_of: np.ndarray, w: int) -> np.ndarray:
@@ -149,11 +186,16 @@ _SWAPS = tuple((np.uint64(mask), np.uint64(shift)) for mask, shift in
 def raster_bits(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]) -> np.ndarray:
     """`raster`'s masks with each row packed 8 pixels to a byte, most significant bit first:
     (k, h, ceil(w / 8)) uint8, equal to `np.packbits(raster(strings, size, out), axis=-1)`."""
-    (h, w), k = out, len(strings)
+    return bits_of(parse(strings, size), out)
+
+
+def bits_of(parsed: Runs, out: tuple[int, int]) -> np.ndarray:
+    """`raster_bits` of masks already parsed."""
+    (h, w), k = out, len(parsed)
     wb, hb = -(-w // 8), -(-h // 8)
-    if not strings:
+    if not k:
         return np.zeros((k, h, wb), np.uint8)
-    by_column, column_of = _columns(strings, size, out)
+    by_column, column_of = _columns(parsed, out)
     if by_column.shape[1] != w:  # (a frame wider than the mask repeats columns: rare, done the plain way)
         return np.packbits(_row_major(by_column, column_of, w), axis=-1)
     packed = np.packbits(by_column, axis=-1)  # (k, w, hb): byte j of column x holds rows 8j..8j+7
@@ -170,3 +212,27 @@ def raster_bits(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int,
             blocks ^= t ^ (t >> shift)
     rows = blocks[..., None].view(np.uint8)  # (k, wb, hb, 8): byte b of row 8j + r
     return np.ascontiguousarray(rows.transpose(0, 2, 3, 1).reshape(k, 8 * hb, wb)[:, :h])
+
+
+def foreground_pixels(parsed: Runs, fractions: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """Full-resolution pixels of parsed masks: for fractions (n, K) in [0, 1), mask rows[i]'s (rows:
+    default 0..n-1) foreground pixel number floor(fractions[i, j] * its area) in column-major (COCO)
+    order, as (n, K, 2) int64 (x, y) = (column, row). Uniform fractions give pixels uniform over each
+    mask. Raises RLEError (naming i) for a row whose mask has no foreground pixel."""
+    runs, total, first = parsed.runs, parsed.total, parsed.first
+    if rows is None:
+        rows = np.arange(len(parsed))
+    if not len(rows):
+        return np.zeros((0, fractions.shape[1], 2), np.int64)
+    foreground = np.cumsum(runs * parsed.foreground)  # foreground pixels up to each run's end, over all masks
+    before = np.where(first > 0, foreground[first - 1], 0)  # those of the masks before each
+    areas = foreground[first + parsed.runs_per - 1] - before
+    for index in np.flatnonzero(areas[rows] <= 0):
+        raise RLEError("no foreground pixel", index=int(index))
+    area = areas[rows][:, None]
+    wanted = before[rows][:, None] + np.minimum((fractions * area).astype(np.int64), area - 1)
+    run = np.searchsorted(foreground, wanted, side="right")  # the (foreground) run holding each wanted pixel
+    mask_start = (total[first] - runs[first])[rows][:, None]
+    pixel = total[run] - foreground[run] + wanted - mask_start  # its run's end, less what of the run is after it
+    column, row = np.divmod(pixel, parsed.size[0])
+    return np.stack([column, row], axis=-1)

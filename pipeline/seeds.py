@@ -9,6 +9,12 @@ order and mask choice (changing one changes them); a new use takes a new number 
     (seed, epoch, MASKS, key's blake2b-128)               the masks an SA-1B sample uses (kinds.sa1b)
     (seed, epoch, MIX_ORDER, MixStep.LABELS, window)      a mixing window's permutation (plan.mixing)
     (seed, epoch, MIX_ORDER, MixStep.SPLIT, lo, hi)       a mixing tree node's split (plan.mixing)
+    (seed, epoch, MASK_REPEATS, key's blake2b-128)        the repeats that fill an SA-1B sample's masks (fill_masks)
+    (seed, epoch, POINTS, key's blake2b-128)              the point prompts drawn in an SA-1B sample's masks
+    (seed, epoch, BOX_NOISE, key's blake2b-128)           the noise of an SA-1B sample's box prompts
+
+Each of an SA-1B sample's draws has a stream of its own: turning one option on or off changes no
+other draw (the points of a mask stay the same with or without box noise, and so on).
 
 A mixed epoch's per-source orders put (source, pass) where the purpose goes: source 4's first
 pass seeds its shard permutation as mixing window 1's labels are seeded. Kept: fixing it would
@@ -18,8 +24,11 @@ change every mixed order with five sources or more.
 from __future__ import annotations
 
 import enum
+import hashlib
 
-__all__ = ["Purpose", "MixStep"]
+import numpy as np
+
+__all__ = ["Purpose", "MixStep", "key_entropy", "sample_rng"]
 
 
 @enum.unique
@@ -30,6 +39,9 @@ class Purpose(enum.IntEnum):
     WINDOW_ORDER = 2
     MASKS = 3
     MIX_ORDER = 4
+    MASK_REPEATS = 5
+    POINTS = 6
+    BOX_NOISE = 7
 
 
 @enum.unique
@@ -38,3 +50,13 @@ class MixStep(enum.IntEnum):
 
     LABELS = 0  # a window's permutation of its sources' labels
     SPLIT = 1  # a tree node's split of its per-source counts between its halves
+
+
+def key_entropy(key: str) -> int:
+    """A sample key as entropy: its blake2b-128, little-endian (never `hash()`: it differs per process)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "little")
+
+
+def sample_rng(seed: int, epoch: int, purpose: Purpose, entropy: int) -> np.random.Generator:
+    """The stream of one per-sample draw: (seed, epoch, purpose, `key_entropy(key)`)."""
+    return np.random.default_rng([seed, epoch, purpose, entropy])

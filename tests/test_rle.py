@@ -1,5 +1,5 @@
 """pipeline.rle: the raster (bool, and bit-packed) equals pycocotools' full decode followed by the same
-nearest sampling."""
+nearest sampling; the pixels picked from the runs are pycocotools' foreground pixels."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pycocotools import mask as mask_utils
 
-from pipeline.rle import RLEError, check, fit, nearest_index, raster, raster_bits
+from pipeline.rle import RLEError, check, fit, foreground_pixels, nearest_index, parse, raster, raster_bits
 
 
 def _reference(masks: np.ndarray, out: tuple[int, int]) -> tuple[list[bytes], np.ndarray]:
@@ -115,6 +115,43 @@ def test_invalid_counts_are_errors(counts, message):
     for decode in (raster, raster_bits):
         with pytest.raises(RLEError, match="mask 1"):
             decode([b"4", counts], (2, 2), (2, 2))
+    with pytest.raises(RLEError, match="mask 1"):
+        parse([b"13", counts], (2, 2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(height=st.integers(1, 40), width=st.integers(1, 40), k=st.integers(1, 4), density=st.floats(0.01, 1),
+       style=st.sampled_from(["noise", "blobs", "pixel"]), seed=st.integers(0, 2**32 - 1))
+def test_foreground_pixels_are_pycocotools_foreground_in_column_major_order(height, width, k, density, style, seed):
+    """Fractions (n + 0.5) / area pick every foreground pixel once, in COCO's column-major order: the
+    n-th pick is the n-th of pycocotools' decode; random fractions pick foreground pixels only."""
+    rng = np.random.default_rng(seed)
+    if style == "noise":
+        masks = (rng.random((height, width, k)) < density).astype(np.uint8)
+    elif style == "blobs":
+        masks = _blobs(rng, height, width, k)
+    else:
+        masks = np.zeros((height, width, k), np.uint8)
+    masks[rng.integers(0, height), rng.integers(0, width)] = 1  # (no mask is empty)
+    strings = [r["counts"] for r in mask_utils.encode(np.asfortranarray(masks))]
+    full = mask_utils.decode(mask_utils.encode(np.asfortranarray(masks)))
+    areas = full.reshape(-1, k).sum(0)
+    most = int(areas.max())
+    fractions = (np.arange(most)[None, :] + 0.5) / areas[:, None]
+    got = foreground_pixels(parse(strings, (height, width)), np.minimum(fractions, 0.999999))
+    assert got.shape == (k, most, 2) and got.dtype == np.int64
+    for i in range(k):
+        columns, rows = np.nonzero(full[..., i].T)  # column-major: by column, then row
+        np.testing.assert_array_equal(got[i, : areas[i]], np.stack([columns, rows], 1))
+    rows = rng.integers(0, k, 7)  # (rows: masks picked by index, repeats allowed)
+    random = foreground_pixels(parse(strings, (height, width)), rng.random((7, 50)), rows)
+    assert full[random[..., 1], random[..., 0], rows[:, None]].all()
+
+
+def test_a_mask_with_no_pixel_has_no_point():
+    with pytest.raises(RLEError, match="mask 1.*no foreground pixel"):
+        foreground_pixels(parse([b"13", b"4"], (2, 2)), np.zeros((2, 3)))
+    assert foreground_pixels(parse([], (2, 2)), np.zeros((0, 3))).shape == (0, 3, 2)
 
 
 def test_no_masks():

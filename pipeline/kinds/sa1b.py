@@ -9,7 +9,6 @@ in the same frame as its masks, which always keep their original RLE.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,9 +23,10 @@ from pipeline.errors import ConfigError, SampleError, excerpt
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
+from pipeline.kinds.sa1b_prompts import (Draw, check_options, choose_masks, chosen_masks, prompt_columns,
+                                         prompt_problems, prompts_of)
 from pipeline.kinds.schema import BatchField, problems
-from pipeline.rle import RLEError, check, fit, raster_bits
-from pipeline.seeds import Purpose
+from pipeline.rle import RLEError, bits_of, check, fit, parse
 from pipeline.stats import Clock
 
 __all__ = [
@@ -34,19 +34,28 @@ __all__ = [
     "original_record", "Sa1b",
 ]
 
-STAGES = ("image", "masks")  # the parts of `Sa1b.decode` it times (`Kind.stages`)
+STAGES = ("image", "masks")  # the parts of `Sa1b.decode` it times (`Kind.stages`; "masks": and their prompts)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sa1bOptions:
     """How SA-1B samples are decoded: image and mask frames (long side, pixels), masks per image.
     `mask_size` may exceed `image_size` (masks finer than the image): both frames come from the
-    original size, so they stay aligned."""
+    original size, so they stay aligned. For SAM fine-tuning (`pipeline.kinds.sa1b_prompts`): rules
+    on which masks may be chosen, repeats up to `max_masks`, point and noisy box prompts; all off by
+    default (the batch as without them)."""
 
     image_size: int = 1024
     mask_size: int | None = 256
     max_masks: int | Callable[[int], int] = 64  # or a function of the epoch (curriculum)
     max_image_pixels: int = MAX_IMAGE_PIXELS  # larger images are refused, never decoded
+    max_mask_area: float | None = None  # masks over this fraction of the image's area are never chosen
+    min_predicted_iou: float | None = None  # masks below are never chosen
+    min_stability_score: float | None = None  # masks below are never chosen
+    fill_masks: bool = False  # fewer than max_masks chosen: repeats of them fill up to max_masks
+    points_per_mask: int = 0  # > 0: `point_coords`, points drawn in each mask
+    box_noise: float | None = None  # a number: `prompt_boxes`, boxes with noise of std box_noise x side
+    box_noise_mode: str = "normal"  # or "uniform" (SAM 2's rule)
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 1:
@@ -55,6 +64,7 @@ class Sa1bOptions:
             raise ConfigError(f"mask_size must be a positive int or None, got {self.mask_size!r}")
         if not callable(self.max_masks):
             self.masks_for(0)
+        check_options(self)
 
     def masks_for(self, epoch: int) -> int:
         value = self.max_masks(epoch) if callable(self.max_masks) else self.max_masks
@@ -87,15 +97,6 @@ def _packed_record(members: dict[str, Any], url: str, key: str) -> dict[str, Any
         return unpack_record(members[SA1B_ANN])
     except (ValueError, msgpack.exceptions.UnpackException) as exc:
         raise SampleError(f"cannot unpack: {exc}", url=url, key=key, field=SA1B_ANN) from exc
-
-
-def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.ndarray:
-    """Indices of the masks a sample uses this epoch: all if few, else a sorted random subset."""
-    if count <= limit:
-        return np.arange(count)
-    key_entropy = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "little")
-    rng = np.random.default_rng([seed, epoch, Purpose.MASKS, key_entropy])
-    return np.sort(rng.choice(count, limit, replace=False))
 
 
 def _record(members: dict[str, bytes], max_pixels: int, url: str, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -138,6 +139,11 @@ _MASK_COLUMNS = (("boxes", 4), ("points", 2), ("areas", 1), ("predicted_ious", 1
 _IMAGE_COLUMNS = (("mask_counts", 1), ("image_ids", 1), ("original_sizes", 2), ("image_sizes", 2))
 
 
+def _mask_error(exc: RLEError, masks: np.ndarray, url: str, key: str) -> SampleError:
+    """An RLE error of the `exc.index`-th of `masks` (indices into the sample's masks), as the sample's."""
+    return SampleError(f"mask {int(masks[exc.index])}: {exc}", url=url, key=key, field="counts")
+
+
 def _split(stacked: torch.Tensor, layout: tuple[tuple[str, int], ...]) -> dict[str, torch.Tensor]:
     parts = stacked.split([width for _, width in layout], dim=-1)
     return {name: (part if width > 1 else part.squeeze(-1)).contiguous() for (name, width), part in zip(layout, parts)}
@@ -176,7 +182,7 @@ def _value_problems(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> 
             found.append(f"{name}: non-zero padding beyond mask_counts")
     if batch["masks"][~valid].any():
         found.append("masks: non-zero padding beyond mask_counts")
-    return found
+    return found + prompt_problems(batch, frame, valid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,20 +209,28 @@ class Sa1b:
     def decode(self, members: dict[str, bytes], *, unit: int = 0, seed: int, epoch: int, url: str, key: str,
                clock: Clock | None = None) -> dict[str, Any]:
         """One SA-1B sample (one unit): image in its frame, up to `max_masks` masks chosen before any is
-        decoded, rasterised bit-packed (`masks_packed`: (k, h, ceil(w / 8)) uint8, as they travel)."""
+        decoded, rasterised bit-packed (`masks_packed`: (k, h, ceil(w / 8)) uint8, as they travel), and
+        the prompts the options ask for."""
         clock, options = clock or Clock(STAGES), self.options
         info, columns = _record(members, options.max_image_pixels, url, key)
         height, width, counts = info["height"], info["width"], info["counts"]
-        chosen = choose_masks(len(counts), options.masks_for(epoch), seed, epoch, key)
+        draw = Draw(seed, epoch, key)
+        chosen = chosen_masks(columns, (height, width), options, options.masks_for(epoch), draw)
         frame = fit(height, width, options.image_size)
         mask_frame = frame if options.mask_size is None else fit(height, width, options.mask_size)
         clock.mark()
         image = decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels)
         clock.split("image")
+        distinct, rows = np.unique(chosen, return_inverse=True)  # (repeats, with fill_masks, decoded once)
         try:
-            masks = raster_bits([counts[i] for i in chosen], (height, width), mask_frame)
+            parsed = parse([counts[i] for i in distinct], (height, width))  # (once: masks and points)
+            masks = bits_of(parsed, mask_frame)
         except RLEError as exc:
-            raise SampleError(f"mask {int(chosen[exc.index])}: {exc}", url=url, key=key, field="counts") from exc
+            raise _mask_error(exc, distinct, url, key) from exc
+        try:  # (the RLE of every chosen mask is valid: only a mask with no pixel has no point)
+            prompts = prompts_of(parsed, rows, columns["bbox"][chosen], frame, options, draw)
+        except RLEError as exc:
+            raise _mask_error(exc, chosen, url, key) from exc
         clock.split("masks")
 
         (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
@@ -225,7 +239,7 @@ class Sa1b:
         return {
             "key": key,
             "image": image,
-            "masks_packed": masks,
+            "masks_packed": masks if len(distinct) == len(chosen) else masks[rows],
             "boxes": np.clip(np.stack([x * sx, y * sy, (x + bw) * sx, (y + bh) * sy], 1), 0, (w, h, w, h)),
             "points": np.clip(columns["point_coords"][first_point[chosen]] * (sx, sy), 0, (w, h)),
             "areas": columns["area"][chosen] * (sx * sy),
@@ -234,6 +248,7 @@ class Sa1b:
             "image_id": info["image_id"],
             "original_size": (height, width),
             "image_size": frame,
+            **prompts,
         }
 
     def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
@@ -243,7 +258,7 @@ class Sa1b:
         b, s, m = len(samples), self.options.image_size, self.options.mask_frame
         n = max(len(x["masks_packed"]) for x in samples)
         layout = [("images", "uint8", (b, 3, s, s)), ("masks_packed", "uint8", (b, n, m, -(-m // 8))),
-                  ("columns", "float32", (b, n, sum(width for _, width in _MASK_COLUMNS))),
+                  ("columns", "float32", (b, n, sum(width for _, width in self._mask_columns()))),
                   ("info", "int64", (b, sum(width for _, width in _IMAGE_COLUMNS)))]
         offsets, total = column_offsets(layout)
         flat = empty((total,), torch.uint8)
@@ -258,7 +273,7 @@ class Sa1b:
         for i, x in enumerate(samples):
             c, mh, mb = x["masks_packed"].shape
             masks[i, :c, :mh, :mb] = torch.from_numpy(x["masks_packed"])
-            stacked = np.concatenate([np.reshape(x[name], (c, width)) for name, width in _MASK_COLUMNS], axis=1)
+            stacked = np.concatenate([np.reshape(x[name], (c, width)) for name, width in self._mask_columns()], 1)
             columns[i, :c] = torch.from_numpy(stacked.astype(np.float32))
         batch["keys"] = [x["key"] for x in samples]
         return batch
@@ -266,31 +281,41 @@ class Sa1b:
     def finish(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The batch users get, on whatever device the transit batch was moved to: masks unpacked to
         bool (B, N, m, m), columns split into their fields."""
-        return {
+        finished = {
             "images": batch["images"],
             "masks": unpack_bits(batch["masks_packed"], self.options.mask_frame),
-            **_split(batch["columns"], _MASK_COLUMNS),
+            **_split(batch["columns"], self._mask_columns()),
             **_split(batch["info"], _IMAGE_COLUMNS),
             "keys": batch["keys"],
         }
+        if "point_coords" in finished:  # (B, N, 2K) in transit: (B, N, K, 2)
+            finished["point_coords"] = finished["point_coords"].unflatten(-1, (self.options.points_per_mask, 2))
+        return finished
+
+    def _mask_columns(self) -> tuple[tuple[str, int], ...]:
+        """The per-mask columns of a batch in transit, with their widths: those of every batch, then the prompts'."""
+        return _MASK_COLUMNS + prompt_columns(self.options)
 
     def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """A finished batch's samples (row i of each field, same keys), each with its own `mask_counts`
         masks only: the padding to the batch's largest count is cut."""
-        per_mask = ("masks", *(name for name, _ in _MASK_COLUMNS))
+        per_mask = ("masks", *(name for name, _ in self._mask_columns()))
         return [{name: value[i, : int(batch["mask_counts"][i])] if name in per_mask else value[i]
                  for name, value in batch.items()} for i in range(len(batch["keys"]))]
 
     def fields(self, epoch: int) -> tuple[BatchField, ...]:
-        """A finished batch's fields: B images, N masks (the batch's largest count, zero-padded)."""
-        s, m = self.options.image_size, self.options.mask_frame
+        """A finished batch's fields: B images, N masks (the batch's largest count, zero-padded), and the
+        prompts the options ask for: K points per mask (XY), a noisy box per mask (XYXY)."""
+        s, m, k = self.options.image_size, self.options.mask_frame, self.options.points_per_mask
+        prompts = ((BatchField("point_coords", torch.float32, ("B", "N", k, 2)),) if k else ()) + \
+            ((BatchField("prompt_boxes", torch.float32, ("B", "N", 4)),) if self.options.box_noise is not None else ())
         return (
             BatchField("images", torch.uint8, ("B", 3, s, s)),
             BatchField("masks", torch.bool, ("B", "N", m, m)), BatchField("mask_counts", torch.int64, ("B",)),
             BatchField("boxes", torch.float32, ("B", "N", 4)), BatchField("points", torch.float32, ("B", "N", 2)),
             *(BatchField(name, torch.float32, ("B", "N")) for name in ("areas", "predicted_ious", "stability_scores")),
             BatchField("image_ids", torch.int64, ("B",)), BatchField("original_sizes", torch.int64, ("B", 2)),
-            BatchField("image_sizes", torch.int64, ("B", 2)), BatchField("keys", list, ("B",)),
+            BatchField("image_sizes", torch.int64, ("B", 2)), BatchField("keys", list, ("B",)), *prompts,
         )
 
     def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
