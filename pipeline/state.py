@@ -92,9 +92,13 @@ def describe(value: Any) -> Any:
 
 
 def differences(there: Mapping[str, Any], here: Mapping[str, Any]) -> str:
-    """The entries two dicts disagree on, for a message: "name: there's value there, here's here; ..."."""
-    names = sorted(k for k in there.keys() | here.keys() if there.get(k) != here.get(k))
-    return "; ".join(f"{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in names)
+    """The entries two dicts disagree on, for a message: "name: there's value there, here's here; ...";
+    an entry one lacks is "absent" there (an option added since a state was saved, say)."""
+    def shown(entries: Mapping[str, Any], name: str) -> str:
+        return repr(entries[name]) if name in entries else "absent"
+
+    names = sorted(k for k in there.keys() | here.keys() if (k in there, there.get(k)) != (k in here, here.get(k)))
+    return "; ".join(f"{k}: {shown(there, k)} there, {shown(here, k)} here" for k in names)
 
 
 def check_identity(state: Any, identity: dict[str, Any]) -> None:
