@@ -12,6 +12,7 @@ order and mask choice (changing one changes them); a new use takes a new number 
     (seed, epoch, MASK_REPEATS, key's blake2b-128)        the repeats that fill an SA-1B sample's masks (fill_masks)
     (seed, epoch, POINTS, key's blake2b-128)              the point prompts drawn in an SA-1B sample's masks
     (seed, epoch, BOX_NOISE, key's blake2b-128)           the noise of an SA-1B sample's box prompts
+    (seed, epoch, HFLIP, key's blake2b-128)               whether an SA-1B sample is mirrored (hflip)
 
 Each of an SA-1B sample's draws has a stream of its own: turning one option on or off changes no
 other draw (the points of a mask stay the same with or without box noise, and so on).
@@ -42,6 +43,7 @@ class Purpose(enum.IntEnum):
     MASK_REPEATS = 5
     POINTS = 6
     BOX_NOISE = 7
+    HFLIP = 8
 
 
 @enum.unique

@@ -3,7 +3,8 @@
 Geometry: for an original image H0 x W0, the image frame is `fit(H0, W0, image_size)` and the
 mask frame `fit(H0, W0, mask_size)` (or the image frame when `mask_size` is None). Both are
 computed from the original size, so a JPEG stored smaller at pack time (`--image-max-side`) lands
-in the same frame as its masks, which always keep their original RLE.
+in the same frame as its masks, which always keep their original RLE. With `resize="square"` both
+frames are square instead (`pipeline.kinds.sa1b_augment`, with the `hflip` mirroring).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from pipeline.errors import ConfigError, SampleError, excerpt
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
+from pipeline.kinds.sa1b_augment import check_augment, flipped, frames
 from pipeline.kinds.sa1b_prompts import (Draw, check_options, choose_masks, chosen_masks, prompt_columns,
                                          prompt_problems, prompts_of)
 from pipeline.kinds.schema import BatchField, problems
-from pipeline.rle import RLEError, bits_of, check, fit, parse
+from pipeline.rle import RLEError, bits_of, check, parse
 from pipeline.stats import Clock
 
 __all__ = [
@@ -56,6 +58,8 @@ class Sa1bOptions:
     points_per_mask: int = 0  # > 0: `point_coords`, points drawn in each mask
     box_noise: float | None = None  # a number: `prompt_boxes`, boxes with noise of std box_noise x side
     box_noise_mode: str = "normal"  # or "uniform" (SAM 2's rule)
+    hflip: float = 0.0  # the probability that a sample is mirrored (`pipeline.kinds.sa1b_augment`)
+    resize: str = "longest"  # or "square" (SAM 2's: both sides to image_size / mask_size)
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 1:
@@ -65,6 +69,7 @@ class Sa1bOptions:
         if not callable(self.max_masks):
             self.masks_for(0)
         check_options(self)
+        check_augment(self)
 
     def masks_for(self, epoch: int) -> int:
         value = self.max_masks(epoch) if callable(self.max_masks) else self.max_masks
@@ -216,8 +221,7 @@ class Sa1b:
         height, width, counts = info["height"], info["width"], info["counts"]
         draw = Draw(seed, epoch, key)
         chosen = chosen_masks(columns, (height, width), options, options.masks_for(epoch), draw)
-        frame = fit(height, width, options.image_size)
-        mask_frame = frame if options.mask_size is None else fit(height, width, options.mask_size)
+        frame, mask_frame = frames(height, width, options)
         clock.mark()
         image = decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels)
         clock.split("image")
@@ -236,7 +240,7 @@ class Sa1b:
         (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
         x, y, bw, bh = columns["bbox"][chosen].T
         first_point = np.cumsum(columns["point_counts"]) - columns["point_counts"]
-        return {
+        return flipped({
             "key": key,
             "image": image,
             "masks_packed": masks if len(distinct) == len(chosen) else masks[rows],
@@ -249,7 +253,7 @@ class Sa1b:
             "original_size": (height, width),
             "image_size": frame,
             **prompts,
-        }
+        }, mask_frame[1], options, draw)
 
     def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
         """A batch in transit (see `finish`): square images padded with zeros, masks bit-packed,
