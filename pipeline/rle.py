@@ -26,8 +26,8 @@ import numpy as np
 
 from pipeline.errors import RLEError
 
-__all__ = ["RLEError", "Runs", "fit", "nearest_index", "run_lengths", "parse", "check", "raster", "raster_bits",
-           "bits_of", "foreground_pixels"]
+__all__ = ["RLEError", "Runs", "fit", "nearest_index", "affine_index", "run_lengths", "parse", "check", "raster",
+           "raster_bits", "bits_of", "bits_at", "foreground_pixels"]
 
 _MAX_CHARS_PER_VALUE = 12  # 60 bits: more would overflow int64, and no valid mask needs it
 
@@ -41,6 +41,16 @@ def fit(height: int, width: int, size: int) -> tuple[int, int]:
 def nearest_index(src: int, dst: int) -> np.ndarray:
     """Source index sampled by each of `dst` output positions: floor((i + 0.5) * src / dst), exactly."""
     return (2 * np.arange(dst, dtype=np.int64) + 1) * src // (2 * dst)
+
+
+def affine_index(src: int, scaled: int, offset: int, step: tuple[int, int], count: int) -> np.ndarray:
+    """Source index sampled by each of `count` output positions over a source of `src` pixels scaled to
+    `scaled`, read from `offset` (scaled pixels) on, each output pixel p / q scaled pixels wide (`step`):
+    floor(((i + 0.5) * p / q + offset) * src / scaled), exactly; only those inside the source (a prefix).
+    `affine_index(src, dst, 0, (1, 1), dst)` is `nearest_index(src, dst)`."""
+    p, q = step
+    index = ((2 * np.arange(count, dtype=np.int64) + 1) * p + 2 * offset * q) * src // (2 * q * scaled)
+    return index[: np.searchsorted(index, src)]
 
 
 def run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -139,13 +149,12 @@ def check(strings: Sequence[bytes], size: tuple[int, int]) -> None:
         _checked_runs(strings, size)
 
 
-def _columns(parsed: Runs, out: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """The masks sampled at the distinct sampled columns, column-major: (k, columns, h) bool, and
-    each output column's index among them."""
-    (height, width), (h, w) = parsed.size, out
+def _columns(parsed: Runs, ys: np.ndarray, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The masks sampled at rows `ys` and the distinct of columns `xs` (both non-decreasing), column-major:
+    (k, columns, len(ys)) bool, and each output column's index among them."""
+    (height, width), h = parsed.size, len(ys)
     k, runs, runs_per, total, first = len(parsed), parsed.runs, parsed.runs_per, parsed.total, parsed.first
     bounds = total - np.repeat(total[first] - runs[first], runs_per)  # end of each run, per mask
-    ys, xs = nearest_index(height, h), nearest_index(width, w)
     columns, column_of = np.unique(xs, return_inverse=True)
     # Sampled pixels before a boundary at (col, row): all of the sampled columns left of col,
     # plus, when col is sampled, its sampled rows above row. Tables make both lookups gathers.
@@ -168,7 +177,8 @@ def raster(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int, int]
     """
     if not strings:
         return np.zeros((0, *out), bool)
-    return _row_major(*_columns(parse(strings, size), out), out[1])
+    return _row_major(*_columns(parse(strings, size), nearest_index(size[0], out[0]), nearest_index(size[1], out[1])),
+                      out[1])
 
 
 def _row_major(by_column: np.ndarray, column_of: np.ndarray, w: int) -> np.ndarray:
@@ -191,11 +201,17 @@ def raster_bits(strings: Sequence[bytes], size: tuple[int, int], out: tuple[int,
 
 def bits_of(parsed: Runs, out: tuple[int, int]) -> np.ndarray:
     """`raster_bits` of masks already parsed."""
-    (h, w), k = out, len(parsed)
+    return bits_at(parsed, nearest_index(parsed.size[0], out[0]), nearest_index(parsed.size[1], out[1]))
+
+
+def bits_at(parsed: Runs, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
+    """`bits_of` with the sampled rows `ys` and columns `xs` given (non-decreasing source indices, as
+    `nearest_index` or `affine_index` gives): `np.packbits(full[:, ys][:, :, xs], axis=-1)`."""
+    (h, w), k = (len(ys), len(xs)), len(parsed)
     wb, hb = -(-w // 8), -(-h // 8)
-    if not k:
+    if not (k and h and w):
         return np.zeros((k, h, wb), np.uint8)
-    by_column, column_of = _columns(parsed, out)
+    by_column, column_of = _columns(parsed, ys, xs)
     if by_column.shape[1] != w:  # (a frame wider than the mask repeats columns: rare, done the plain way)
         return np.packbits(_row_major(by_column, column_of, w), axis=-1)
     packed = np.packbits(by_column, axis=-1)  # (k, w, hb): byte j of column x holds rows 8j..8j+7

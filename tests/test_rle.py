@@ -3,13 +3,17 @@ nearest sampling; the pixels picked from the runs are pycocotools' foreground pi
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pycocotools import mask as mask_utils
 
-from pipeline.rle import RLEError, check, fit, foreground_pixels, nearest_index, parse, raster, raster_bits
+from pipeline.rle import (RLEError, affine_index, bits_at, check, fit, foreground_pixels, nearest_index, parse, raster,
+                          raster_bits)
 
 
 def _reference(masks: np.ndarray, out: tuple[int, int]) -> tuple[list[bytes], np.ndarray]:
@@ -55,6 +59,33 @@ def test_raster_equals_pycocotools(height, width, k, out_h, out_w, density, styl
     bits = raster_bits(strings, (height, width), (out_h, out_w))  # (widths not a multiple of 8, upsampling)
     assert bits.dtype == np.uint8 and bits.flags.c_contiguous
     np.testing.assert_array_equal(bits, np.packbits(expected, axis=-1))
+
+
+def _affine(src: int, scaled: int, offset: int, step: tuple[int, int], count: int) -> list[int]:
+    """`affine_index` by exact fractions, one position at a time."""
+    found = [math.floor(((i + Fraction(1, 2)) * Fraction(*step) + offset) * src / scaled) for i in range(count)]
+    return [j for j in found if j < src]
+
+
+@settings(max_examples=300, deadline=None)
+@given(height=st.integers(1, 60), width=st.integers(1, 60), scaled=st.tuples(st.integers(1, 120), st.integers(1, 120)),
+       offset=st.tuples(st.integers(0, 60), st.integers(0, 60)), step=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+       count=st.integers(1, 70), k=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_bits_at_affine_index_equals_pycocotools_warped(height, width, scaled, offset, step, count, k, seed):
+    ys = affine_index(height, scaled[0], offset[0], step, count)
+    xs = affine_index(width, scaled[1], offset[1], step, count)
+    assert ys.tolist() == _affine(height, scaled[0], offset[0], step, count)
+    assert xs.tolist() == _affine(width, scaled[1], offset[1], step, count)
+    masks = _blobs(np.random.default_rng(seed), height, width, k)
+    rles = mask_utils.encode(np.asfortranarray(masks))
+    full = mask_utils.decode(rles).transpose(2, 0, 1).astype(bool)
+    got = bits_at(parse([r["counts"] for r in rles], (height, width)), ys, xs)
+    np.testing.assert_array_equal(got, np.packbits(full[:, ys][:, :, xs], axis=-1))
+
+
+def test_affine_index_without_offset_or_step_is_nearest_index():
+    for src, dst in [(1500, 1024), (7, 3), (3, 7), (1, 1), (2250, 256)]:
+        assert np.array_equal(affine_index(src, dst, 0, (1, 1), dst), nearest_index(src, dst))
 
 
 @pytest.mark.parametrize("size", [(1500, 2250), (2250, 1500), (1501, 2247), (7, 3)])
