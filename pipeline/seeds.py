@@ -13,6 +13,8 @@ order and mask choice (changing one changes them); a new use takes a new number 
     (seed, epoch, POINTS, key's blake2b-128)              the point prompts drawn in an SA-1B sample's masks
     (seed, epoch, BOX_NOISE, key's blake2b-128)           the noise of an SA-1B sample's box prompts
     (seed, epoch, HFLIP, key's blake2b-128)               whether an SA-1B sample is mirrored (hflip)
+    (seed, epoch, SCALE_JITTER, key's blake2b-128)        an SA-1B sample's scale (scale_jitter)
+    (seed, epoch, CROP, key's blake2b-128)                an SA-1B sample's crop offset (scale_jitter)
 
 Each of an SA-1B sample's draws has a stream of its own: turning one option on or off changes no
 other draw (the points of a mask stay the same with or without box noise, and so on).
@@ -44,6 +46,8 @@ class Purpose(enum.IntEnum):
     POINTS = 6
     BOX_NOISE = 7
     HFLIP = 8
+    SCALE_JITTER = 9
+    CROP = 10
 
 
 @enum.unique

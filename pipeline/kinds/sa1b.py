@@ -24,11 +24,11 @@ from pipeline.errors import ConfigError, SampleError, excerpt
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
-from pipeline.kinds.sa1b_augment import check_augment, flipped, frames
+from pipeline.kinds.sa1b_augment import augmented, check_augment, view_of
 from pipeline.kinds.sa1b_prompts import (Draw, check_options, choose_masks, chosen_masks, prompt_columns,
                                          prompt_problems, prompts_of)
 from pipeline.kinds.schema import BatchField, problems
-from pipeline.rle import RLEError, bits_of, check, parse
+from pipeline.rle import RLEError, bits_at, check, parse
 from pipeline.stats import Clock
 
 __all__ = [
@@ -60,6 +60,7 @@ class Sa1bOptions:
     box_noise_mode: str = "normal"  # or "uniform" (SAM 2's rule)
     hflip: float = 0.0  # the probability that a sample is mirrored (`pipeline.kinds.sa1b_augment`)
     resize: str = "longest"  # or "square" (SAM 2's: both sides to image_size / mask_size)
+    scale_jitter: tuple[float, float] | None = None  # (lo, hi): long side scaled by a factor in it, cropped
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 1:
@@ -220,15 +221,16 @@ class Sa1b:
         info, columns = _record(members, options.max_image_pixels, url, key)
         height, width, counts = info["height"], info["width"], info["counts"]
         draw = Draw(seed, epoch, key)
+        view = view_of(height, width, options, draw)  # (frame: the scaled image's, before any crop)
         chosen = chosen_masks(columns, (height, width), options, options.masks_for(epoch), draw)
-        frame, mask_frame = frames(height, width, options)
+        chosen, frame = chosen[view.visible(columns["bbox"][chosen])], view.scaled
         clock.mark()
-        image = decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels)
+        image = view.image(decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels))
         clock.split("image")
         distinct, rows = np.unique(chosen, return_inverse=True)  # (repeats, with fill_masks, decoded once)
         try:
             parsed = parse([counts[i] for i in distinct], (height, width))  # (once: masks and points)
-            masks = bits_of(parsed, mask_frame)
+            masks = bits_at(parsed, view.rows, view.cols)
         except RLEError as exc:
             raise _mask_error(exc, distinct, url, key) from exc
         try:  # (the RLE of every chosen mask is valid: only a mask with no pixel has no point)
@@ -240,7 +242,7 @@ class Sa1b:
         (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
         x, y, bw, bh = columns["bbox"][chosen].T
         first_point = np.cumsum(columns["point_counts"]) - columns["point_counts"]
-        return flipped({
+        return augmented({
             "key": key,
             "image": image,
             "masks_packed": masks if len(distinct) == len(chosen) else masks[rows],
@@ -251,9 +253,9 @@ class Sa1b:
             "stability_scores": columns["stability_score"][chosen],
             "image_id": info["image_id"],
             "original_size": (height, width),
-            "image_size": frame,
+            "image_size": view.content,
             **prompts,
-        }, mask_frame[1], options, draw)
+        }, view, options, draw)
 
     def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
         """A batch in transit (see `finish`): square images padded with zeros, masks bit-packed,

@@ -1,5 +1,6 @@
 """SA-1B on the reading side, joint augmentation: the frames an image and its masks are resized to
-(`resize`), and a horizontal flip (`hflip`) of the image and every geometric field together.
+(`resize`), large-scale jitter (`scale_jitter`: scaled, then cropped or padded), and a horizontal
+flip (`hflip`) of the image and every geometric field together.
 
 Frames as in `pipeline.kinds.sa1b`: `resize="longest"` keeps the aspect (long side `image_size`,
 the batch's image zero-padded on the right and bottom); `resize="square"` (SAM 2's) warps both sides
@@ -9,21 +10,33 @@ width w, not the padded `image_size`): x -> w - x for points and box corners (a 
 (c + 0.5) goes to that of its mirror pixel), and the masks' rasters mirrored column for column.
 Whether a sample is mirrored is its own draw (`pipeline.seeds.Purpose.HFLIP`): turning `hflip` on
 changes no other draw (the same masks, points and noise, mirrored).
+
+Scale jitter (`View`): a factor f drawn in [lo, hi] scales the original so that its long side is
+round(f x `image_size`) (both sides, with `resize="square"`); the canvas (`image_size`^2) is then
+read from an offset (drawn uniformly, in whole scaled pixels, on each axis the scaled image
+overhangs; 0 where it is smaller, then padded on the right and bottom). Masks are sampled straight
+from their RLE at the canvas's mask pixels (`pipeline.rle.affine_index`: mask pixel j, `image_size`
+/ `mask_size` image pixels wide, samples original pixel floor(((j + 0.5) x image_size / mask_size +
+offset) x H / h_scaled)), never at full size. A mask whose box lies outside the crop is dropped
+before anything of it is decoded; boxes and points are moved by the offset and clipped to the
+content, areas clipped to their clipped box's area.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from pipeline.errors import ConfigError
-from pipeline.rle import fit
+from pipeline.rle import affine_index, fit, nearest_index
 from pipeline.seeds import Purpose
 
-__all__ = ["RESIZE_MODES", "check_augment", "frames", "flipped"]
+__all__ = ["RESIZE_MODES", "MAX_SCALE", "check_augment", "frames", "flipped", "View", "view_of", "augmented"]
 
 RESIZE_MODES = ("longest", "square")
+MAX_SCALE = 10.0  # scale_jitter's largest factor (an image decoded at 10 x image_size on a side)
 _BOXES = ("boxes", "prompt_boxes")  # XYXY in the image frame
 _POINTS = ("points", "point_coords")  # XY (last axis) in the image frame
 
@@ -35,6 +48,14 @@ def check_augment(options: Any) -> None:
         raise ConfigError(f"hflip must be a probability in [0, 1] (0: never mirrored), got {p!r}")
     if options.resize not in RESIZE_MODES:
         raise ConfigError(f"resize must be one of {RESIZE_MODES}, got {options.resize!r}")
+    jitter = options.scale_jitter
+    if jitter is None:
+        return
+    ok = isinstance(jitter, (tuple, list)) and len(jitter) == 2 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in jitter)
+    if not ok or not 0 < jitter[0] <= jitter[1] <= MAX_SCALE:
+        raise ConfigError(f"scale_jitter must be None or (lo, hi) with 0 < lo <= hi <= {MAX_SCALE:g} (factors of "
+                          f"image_size), got {jitter!r}")
 
 
 def frames(height: int, width: int, options: Any) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -65,3 +86,76 @@ def flipped(sample: dict[str, Any], mask_width: int, options: Any, draw: Any) ->
             points[..., 0] = w - points[..., 0]
             out[name] = points
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """Where an original image of `size` (H, W) lands: scaled to `scaled` (h, w; the frame the image is
+    decoded at and columns are scaled to), the canvas read from `offset` (y, x) scaled pixels on, its
+    `content` (h, w) the image's part of the canvas (`image_sizes`); masks sampled at original rows
+    `rows` and columns `cols` (the mask canvas's content)."""
+
+    size: tuple[int, int]
+    scaled: tuple[int, int]
+    offset: tuple[int, int]
+    content: tuple[int, int]
+    rows: np.ndarray
+    cols: np.ndarray
+
+    @property
+    def cropped(self) -> bool:
+        return self.content != self.scaled
+
+    def visible(self, bbox: np.ndarray) -> np.ndarray:
+        """Which boxes (XYWH, original frame) overlap the content: the others' masks are dropped."""
+        if not self.cropped:
+            return np.ones(len(bbox), bool)
+        (height, width), (h, w), (oy, ox) = self.size, self.scaled, self.offset
+        x, y, bw, bh = bbox.T
+        left, top = x * w / width - ox, y * h / height - oy
+        right, bottom = (x + bw) * w / width - ox, (y + bh) * h / height - oy
+        return (right > 0) & (bottom > 0) & (left < self.content[1]) & (top < self.content[0])
+
+    def image(self, pixels: Any) -> Any:
+        """The content of the canvas from the image decoded at `scaled`: (3, h, w)."""
+        (oy, ox), (h, w) = self.offset, self.content
+        return pixels[:, oy : oy + h, ox : ox + w] if self.cropped else pixels
+
+    def place(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """A sample's boxes and points (in the scaled frame) moved by the offset and clipped to the
+        content; areas at most their clipped box's."""
+        if not self.cropped:
+            return sample
+        (oy, ox), (h, w), out = self.offset, self.content, dict(sample)
+        for name in _BOXES:
+            if name in sample:
+                out[name] = np.clip(sample[name] - np.array([ox, oy, ox, oy], sample[name].dtype), 0, (w, h, w, h))
+        for name in _POINTS:
+            if name in sample:
+                out[name] = np.clip(sample[name] - np.array([ox, oy], sample[name].dtype), 0, (w, h))
+        boxes = out["boxes"]
+        out["areas"] = np.minimum(sample["areas"], (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]))
+        return out
+
+
+def view_of(height: int, width: int, options: Any, draw: Any) -> View:
+    """Where a sample of (height, width) lands: its frames (`frames`), or with `scale_jitter` its
+    drawn scale (`Purpose.SCALE_JITTER`) and crop offset (`Purpose.CROP`)."""
+    if options.scale_jitter is None:
+        image, mask = frames(height, width, options)
+        rows, cols = nearest_index(height, mask[0]), nearest_index(width, mask[1])
+        return View((height, width), image, (0, 0), image, rows, cols)
+    s, m = options.image_size, options.mask_frame
+    long = max(1, round(draw.rng(Purpose.SCALE_JITTER).uniform(*options.scale_jitter) * s))
+    scaled = (long, long) if options.resize == "square" else fit(height, width, long)
+    room = np.maximum(np.array(scaled) - s, 0)
+    offset = tuple(int(v) for v in draw.rng(Purpose.CROP).integers(0, room + 1))
+    content = (min(scaled[0] - offset[0], s), min(scaled[1] - offset[1], s))
+    rows = affine_index(height, scaled[0], offset[0], (s, m), m)
+    return View((height, width), scaled, offset, content, rows, affine_index(width, scaled[1], offset[1], (s, m), m))
+
+
+def augmented(sample: dict[str, Any], view: View, options: Any, draw: Any) -> dict[str, Any]:
+    """A decoded sample (columns in the view's scaled frame) placed in its canvas, then mirrored
+    when its draw says so."""
+    return flipped(view.place(sample), len(view.cols), options, draw)
