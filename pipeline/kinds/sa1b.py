@@ -4,7 +4,7 @@ Geometry: for an original image H0 x W0, the image frame is `fit(H0, W0, image_s
 mask frame `fit(H0, W0, mask_size)` (or the image frame when `mask_size` is None). Both are
 computed from the original size, so a JPEG stored smaller at pack time (`--image-max-side`) lands
 in the same frame as its masks, which always keep their original RLE. With `resize="square"` both
-frames are square instead (`pipeline.kinds.sa1b_augment`, with the `hflip` mirroring).
+frames are square instead (`pipeline.kinds.sa1b_augment`, with `scale_jitter` and `hflip`).
 """
 
 from __future__ import annotations
