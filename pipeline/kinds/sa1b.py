@@ -71,6 +71,8 @@ class Sa1bOptions:
             self.masks_for(0)
         check_options(self)
         check_augment(self)
+        if isinstance(self.scale_jitter, list):  # (from JSON, say: kept as the pair it means, hashable)
+            object.__setattr__(self, "scale_jitter", tuple(self.scale_jitter))
 
     def masks_for(self, epoch: int) -> int:
         value = self.max_masks(epoch) if callable(self.max_masks) else self.max_masks
