@@ -409,16 +409,17 @@ def test_throttling_past_its_time_budget_fails_naming_it_and_other_faults_keep_e
     """On the policy's own clock (its waits move it; the requests take no time on it): waits of 0.125
     s, then 0.25 s, keep a throttled request within its 1 s budget up to its 5th failure, whose wait
     would end at 1.125 s; from there throttling uses up tries: with attempts=2, the 6th failure ends it."""
-    clock = _RetryClock()
-    monkeypatch.setattr(storage.retry, "time", clock)
-    monkeypatch.setattr(storage.retry, "random", clock)
     shard = f"{remote}/train-000000.tar"
     reader = ranged_reader(shard, storage_options(proxy.endpoint), Retry(attempts=2, initial_delay=0.125,
                                                                          max_delay=0.25, throttle_seconds=1.0))
     proxy.fault("slowdown", count=1000)
-    with pytest.raises(ShardError, match=r"cannot read bytes 0-100 after 6 tries over 1\.1 s of throttling "
-                                         r"\(throttle_seconds=1\): S3Error: 503 SlowDown"):
-        reader.read(0, 100)
+    with monkeypatch.context() as patched:  # (the reset's retry below waits for real: its connection is closed first)
+        clock = _RetryClock()
+        patched.setattr(storage.retry, "time", clock)
+        patched.setattr(storage.retry, "random", clock)
+        with pytest.raises(ShardError, match=r"cannot read bytes 0-100 after 6 tries over 1\.1 s of throttling "
+                                             r"\(throttle_seconds=1\): S3Error: 503 SlowDown"):
+            reader.read(0, 100)
     assert proxy.served("slowdown") == 6 and clock.now == 1000.0 + 0.125 + 4 * 0.25
     proxy.clear()
     proxy.fault("reset", count=1000)
