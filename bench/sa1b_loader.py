@@ -2,6 +2,7 @@
 
     python bench/sa1b_loader.py [--images 128] [--workers 2]     (or: make bench)
     python bench/sa1b_loader.py --images 256 --sam     (the cost of SAM's options, alone)
+    python bench/sa1b_loader.py --images 256 --jitter  (large-scale jitter against the decode alone with it)
 
 (a) make_stream_loader: packed shards, num_workers=2, batch 8, image 1024, masks 256, max 64.
 (b) naive reference, as common tutorials do it: a map-style Dataset over the jpg/json files that
@@ -18,8 +19,10 @@ the process tree (main + workers, VmHWM summed; Linux), each beside its referenc
 Each runs in its own subprocess so its peak memory is its own. Timings are medians over epochs
 (after a warm-up epoch); compare them as ratios within one run, never across machines.
 --sam: (a) with and without SAM fine-tuning's options (SAM_OPTIONS: mask area rule, a point and a
-noisy box per mask), in alternating rounds; their ratio of samples/s is what the options cost
-(target >= 95%).
+noisy box per mask, a horizontal flip half the time), in alternating rounds; their ratio of
+samples/s is what the options cost (target >= 95%).
+--jitter: (a) with large-scale jitter (JITTER_OPTIONS) beside a floor with the same options and scales:
+the kind's own decode of each sample alone, in one process on bytes in memory, x the cores.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench-sa1b"
 SETTINGS = dict(batch_size=8, image_size=1024, mask_size=256, max_masks=64)
-SAM_OPTIONS = dict(max_mask_area=0.9, points_per_mask=1, box_noise=0.1)
+SAM_OPTIONS = dict(max_mask_area=0.9, points_per_mask=1, box_noise=0.1, hflip=0.5)
+JITTER_OPTIONS = dict(scale_jitter=(0.1, 2.0))  # large-scale jitter, as SAM-HQ and SAM's later stages train
 
 
 def prepare(images: int) -> pathlib.Path:
@@ -255,6 +259,32 @@ def _floor_share(work: list[tuple]) -> tuple[float, float]:
     return statistics.median(seconds[1:]) * len(work), statistics.median(cpu[1:]) * len(work)
 
 
+def run_kind_floor(data: pathlib.Path, cores: int, options: dict) -> dict:
+    """One core's rate of the kind's own open + decode with `options`, on the samples in memory (no
+    reading, collating or hand-over), x cores: the floor for options the hand-written floor lacks."""
+    import torch
+
+    from pipeline.format import Manifest
+    from pipeline.kinds import kind_of
+    from pipeline.stats import Clock
+    from pipeline.tario import ReadLimits
+
+    torch.set_num_threads(1)
+    manifest = Manifest.from_json((data / "shards" / "manifest.json").read_bytes(), "m")
+    settings = {k: v for k, v in SETTINGS.items() if k != "batch_size"}
+    kind = kind_of([manifest], ReadLimits(), **settings, **options)
+    samples = list(packed_samples(data / "shards"))
+    seconds, cpu = [], []
+    for _ in range(3):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for key, members in samples:
+            opened = kind.open(members, url="m", key=key, units=1)
+            kind.decode(opened, unit=0, seed=0, epoch=0, url="m", key=key, clock=Clock(kind.stages))
+        seconds.append((time.perf_counter() - start) / len(samples))
+        cpu.append((time.process_time() - cpu_start) / len(samples))
+    return {"rate": cores / statistics.median(seconds), "cpu_ms": statistics.median(cpu) * 1000}
+
+
 def run_floor_together(data: pathlib.Path, cores: int) -> dict:
     """The same decode work split over `cores` processes running at once, no loader: what the cores
     do together (they share caches and memory bandwidth), the ceiling of any loader on them."""
@@ -300,8 +330,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs of the loader (after one warm-up)")
     parser.add_argument("--naive-samples", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3, help="floor and loader runs, alternating")
-    parser.add_argument("--only", choices=["loader", "naive", "floor", "together", "sam"])
+    parser.add_argument("--only", choices=["loader", "naive", "floor", "together", "sam", "jitter", "jitter-floor"])
     parser.add_argument("--sam", action="store_true", help="only the loader, with and without SAM_OPTIONS")
+    parser.add_argument("--jitter", action="store_true",
+                        help="only the loader with JITTER_OPTIONS, beside the kind's decode alone with them")
     parser.add_argument("--data", type=pathlib.Path)
     args = parser.parse_args()
     if args.only:
@@ -309,13 +341,18 @@ def main() -> None:
                "naive": lambda: run_naive(args.data, args.workers, args.naive_samples),
                "floor": lambda: run_floor(args.data, args.workers),
                "together": lambda: run_floor_together(args.data, args.workers),
-               "sam": lambda: run_loader(args.data, args.workers, args.epochs, **SAM_OPTIONS)}[args.only]
+               "sam": lambda: run_loader(args.data, args.workers, args.epochs, **SAM_OPTIONS),
+               "jitter": lambda: run_loader(args.data, args.workers, args.epochs, **JITTER_OPTIONS),
+               "jitter-floor": lambda: run_kind_floor(args.data, args.workers, JITTER_OPTIONS)}[args.only]
         print(json.dumps(run()))
         return
 
     data = prepare(args.images)
     if args.sam:
         sam_cost(data, args)
+        return
+    if args.jitter:
+        jitter_cost(data, args)
         return
     from pipeline.format import Manifest
 
@@ -371,6 +408,21 @@ def sam_cost(data: pathlib.Path, args: argparse.Namespace) -> None:
     print(f"with / without = {statistics.median(ratios):.1%} by samples/s, {statistics.median(cpu_ratios):.1%} by CPU "
           f"per sample (target >= 95%; medians of {args.rounds} rounds: {', '.join(f'{r:.1%}' for r in ratios)}; "
           f"by CPU {', '.join(f'{r:.1%}' for r in cpu_ratios)})")
+
+
+def jitter_cost(data: pathlib.Path, args: argparse.Namespace) -> None:
+    """The loader with JITTER_OPTIONS beside the kind's decode alone with the same options and scales
+    (`run_kind_floor`), in alternating rounds."""
+    print(f"settings {SETTINGS}, num_workers={args.workers}, cores={os.cpu_count()}; {JITTER_OPTIONS}", flush=True)
+    runs = [{method: _child(method, data, args) for method in ("jitter-floor", "jitter")} for _ in range(args.rounds)]
+    for method, label in (("jitter-floor", "floor: the kind's decode alone"), ("jitter", "make_stream_loader")):
+        rates, cpu = [r[method]["rate"] for r in runs], [r[method]["cpu_ms"] for r in runs]
+        print(f"{label:<32}{statistics.median(rates):>8.1f} samples/s (rounds {', '.join(f'{x:.1f}' for x in rates)}); "
+              f"{statistics.median(cpu):.1f} ms CPU per sample")
+    ratios = [r["jitter"]["rate"] / r["jitter-floor"]["rate"] for r in runs]
+    cpu_ratios = [r["jitter-floor"]["cpu_ms"] / r["jitter"]["cpu_ms"] for r in runs]
+    print(f"loader / floor with the same scales = {statistics.median(ratios):.0%} by samples/s, "
+          f"{statistics.median(cpu_ratios):.0%} by CPU per sample (rounds {', '.join(f'{r:.0%}' for r in ratios)})")
 
 
 if __name__ == "__main__":
