@@ -53,7 +53,7 @@ class Costs:
 
     def __init__(self, monkeypatch, clock: FakeClock) -> None:
         self.image = self.masks = self.finish = 0
-        for name, cost in (("decode_image", "image"), ("raster_bits", "masks")):
+        for name, cost in (("decode_image", "image"), ("bits_at", "masks")):
             monkeypatch.setattr(sa1b, name, self._costing(clock, getattr(sa1b, name), cost))
         monkeypatch.setattr(sa1b.Sa1b, "finish", self._costing(clock, sa1b.Sa1b.finish, "finish"))
 
