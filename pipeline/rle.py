@@ -204,17 +204,21 @@ def bits_of(parsed: Runs, out: tuple[int, int]) -> np.ndarray:
     return bits_at(parsed, nearest_index(parsed.size[0], out[0]), nearest_index(parsed.size[1], out[1]))
 
 
-def bits_at(parsed: Runs, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
+def bits_at(parsed: Runs, ys: np.ndarray, xs: np.ndarray, mirrored: bool = False) -> np.ndarray:
     """`bits_of` with the sampled rows `ys` and columns `xs` given (non-decreasing source indices, as
-    `nearest_index` or `affine_index` gives): `np.packbits(full[:, ys][:, :, xs], axis=-1)`."""
+    `nearest_index` or `affine_index` gives): `np.packbits(full[:, ys][:, :, xs], axis=-1)`; with
+    `mirrored`, its columns in reverse order (a horizontal flip, at no cost: columns are packed first)."""
     (h, w), k = (len(ys), len(xs)), len(parsed)
     wb, hb = -(-w // 8), -(-h // 8)
     if not (k and h and w):
         return np.zeros((k, h, wb), np.uint8)
     by_column, column_of = _columns(parsed, ys, xs)
     if by_column.shape[1] != w:  # (a frame wider than the mask repeats columns: rare, done the plain way)
-        return np.packbits(_row_major(by_column, column_of, w), axis=-1)
+        full = _row_major(by_column, column_of, w)
+        return np.packbits(full[..., ::-1] if mirrored else full, axis=-1)
     packed = np.packbits(by_column, axis=-1)  # (k, w, hb): byte j of column x holds rows 8j..8j+7
+    if mirrored:
+        packed = packed[:, ::-1]
     if w % 8:
         packed = np.concatenate([packed, np.zeros((k, 8 * wb - w, hb), np.uint8)], axis=1)
     # One uint64 per 8x8 block: its byte i is column 8b + i (bit 7 - r: row r of the block).

@@ -79,8 +79,10 @@ def test_bits_at_affine_index_equals_pycocotools_warped(height, width, scaled, o
     masks = _blobs(np.random.default_rng(seed), height, width, k)
     rles = mask_utils.encode(np.asfortranarray(masks))
     full = mask_utils.decode(rles).transpose(2, 0, 1).astype(bool)
-    got = bits_at(parse([r["counts"] for r in rles], (height, width)), ys, xs)
-    np.testing.assert_array_equal(got, np.packbits(full[:, ys][:, :, xs], axis=-1))
+    parsed = parse([r["counts"] for r in rles], (height, width))
+    np.testing.assert_array_equal(bits_at(parsed, ys, xs), np.packbits(full[:, ys][:, :, xs], axis=-1))
+    mirrored = bits_at(parsed, ys, xs, mirrored=True)  # (hflip: the columns in reverse order)
+    np.testing.assert_array_equal(mirrored, np.packbits(full[:, ys][:, :, xs[::-1]], axis=-1))
 
 
 def test_affine_index_without_offset_or_step_is_nearest_index():

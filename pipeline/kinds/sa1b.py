@@ -24,7 +24,7 @@ from pipeline.errors import ConfigError, SampleError, excerpt
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
-from pipeline.kinds.sa1b_augment import augmented, check_augment, view_of
+from pipeline.kinds.sa1b_augment import augmented, check_augment, flips, view_of
 from pipeline.kinds.sa1b_prompts import (Draw, check_options, choose_masks, chosen_masks, prompt_columns,
                                          prompt_problems, prompts_of)
 from pipeline.kinds.schema import BatchField, problems
@@ -232,7 +232,7 @@ class Sa1b:
         distinct, rows = np.unique(chosen, return_inverse=True)  # (repeats, with fill_masks, decoded once)
         try:
             parsed = parse([counts[i] for i in distinct], (height, width))  # (once: masks and points)
-            masks = bits_at(parsed, view.rows, view.cols)
+            masks = bits_at(parsed, view.rows, view.cols, mirrored=(flip := flips(options, draw)))
         except RLEError as exc:
             raise _mask_error(exc, distinct, url, key) from exc
         try:  # (the RLE of every chosen mask is valid: only a mask with no pixel has no point)
@@ -257,7 +257,7 @@ class Sa1b:
             "original_size": (height, width),
             "image_size": view.content,
             **prompts,
-        }, view, options, draw)
+        }, view, flip)
 
     def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
         """A batch in transit (see `finish`): square images padded with zeros, masks bit-packed,

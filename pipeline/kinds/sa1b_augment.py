@@ -33,7 +33,7 @@ from pipeline.errors import ConfigError
 from pipeline.rle import affine_index, fit, nearest_index
 from pipeline.seeds import Purpose
 
-__all__ = ["RESIZE_MODES", "MAX_SCALE", "check_augment", "frames", "flipped", "View", "view_of", "augmented"]
+__all__ = ["RESIZE_MODES", "MAX_SCALE", "check_augment", "frames", "flips", "flipped", "View", "view_of", "augmented"]
 
 RESIZE_MODES = ("longest", "square")
 MAX_SCALE = 10.0  # scale_jitter's largest factor (an image decoded at 10 x image_size on a side)
@@ -67,15 +67,17 @@ def frames(height: int, width: int, options: Any) -> tuple[tuple[int, int], tupl
     return image, image if options.mask_size is None else frame(options.mask_size)
 
 
-def flipped(sample: dict[str, Any], mask_width: int, options: Any, draw: Any) -> dict[str, Any]:
-    """The decoded sample, mirrored left to right when its draw says so (probability `hflip`): its
-    image, its masks (bit-packed rows of `mask_width` pixels), and its boxes and points (float32)."""
-    if not options.hflip or draw.rng(Purpose.HFLIP).random() >= options.hflip:
-        return sample
+def flips(options: Any, draw: Any) -> bool:
+    """Whether the sample is mirrored left to right (its own draw, probability `hflip`): its masks are
+    then rasterised mirrored (`rle.bits_at`), the rest mirrored by `flipped`."""
+    return bool(options.hflip) and draw.rng(Purpose.HFLIP).random() < options.hflip
+
+
+def flipped(sample: dict[str, Any]) -> dict[str, Any]:
+    """A decoded sample whose masks were rasterised mirrored: its image, boxes and points (float32)
+    mirrored left to right too, within the image's content."""
     w, out = np.float32(sample["image_size"][1]), dict(sample)
     out["image"] = sample["image"].flip(-1)
-    bits = np.unpackbits(sample["masks_packed"], axis=-1, count=mask_width)
-    out["masks_packed"] = np.packbits(bits[..., ::-1], axis=-1)
     for name in _BOXES:
         if name in sample:
             x0, y0, x1, y1 = np.asarray(sample[name], np.float32).T
@@ -155,7 +157,8 @@ def view_of(height: int, width: int, options: Any, draw: Any) -> View:
     return View((height, width), scaled, offset, content, rows, affine_index(width, scaled[1], offset[1], (s, m), m))
 
 
-def augmented(sample: dict[str, Any], view: View, options: Any, draw: Any) -> dict[str, Any]:
+def augmented(sample: dict[str, Any], view: View, flip: bool) -> dict[str, Any]:
     """A decoded sample (columns in the view's scaled frame) placed in its canvas, then mirrored
-    when its draw says so."""
-    return flipped(view.place(sample), len(view.cols), options, draw)
+    with `flip` (its masks were rasterised mirrored: `flips`)."""
+    placed = view.place(sample)
+    return flipped(placed) if flip else placed
