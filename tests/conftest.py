@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import pathlib
@@ -60,6 +61,17 @@ def sa1b_sample(sa1b_dataset: str) -> tuple[str, bytes, bytes, bytes]:
     with tarfile.open(fileobj=io.BytesIO(raw + b"\0" * 1024)) as archive:
         jpg, ann = (archive.extractfile(m).read() for m in archive.getmembers())
     return index.key(0), raw, jpg, ann
+
+
+def sa1b_originals(sa1b_src: pathlib.Path) -> dict[str, tuple[dict[str, Any], bytes]]:
+    """Each SA-1B sample's annotations (parsed JSON) and JPEG bytes, by key, from the source archives."""
+    found: dict[str, dict[str, bytes]] = {}
+    for path in sorted(sa1b_src.glob("*.tar")):
+        with tarfile.open(path) as archive:
+            for member in archive:
+                key, ext = member.name.split(".")
+                found.setdefault(key, {})[ext] = archive.extractfile(member).read()  # type: ignore[union-attr]
+    return {key: (json.loads(m["json"]), m["jpg"]) for key, m in found.items()}
 
 
 def indexed(root: str, split: str = "train", **storage: Any) -> list[tuple[ShardInfo, ShardIndex]]:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import gc
 import io
-import json
 import os
 import pathlib
 import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 
 import numpy as np
@@ -27,7 +25,7 @@ from pipeline import SampleError, ShardError, make_stream_loader, validate_first
 from pipeline.format import Manifest
 from pipeline.rle import fit, nearest_index
 from pipeline.kinds.sa1b import Sa1b, Sa1bOptions, choose_masks
-from conftest import indexed, split_keys
+from conftest import indexed, sa1b_originals, split_keys
 
 SMALL = dict(image_size=64, mask_size=32, max_masks=5)
 
@@ -112,13 +110,7 @@ def test_no_shuffle_gives_manifest_order(sa1b_dataset):
 
 
 def _sources(sa1b_src: pathlib.Path) -> dict[str, tuple[bytes, dict]]:
-    found: dict[str, dict] = {}
-    for path in sorted(sa1b_src.glob("*.tar")):
-        with tarfile.open(path) as archive:
-            for member in archive:
-                key, ext = member.name.split(".")
-                found.setdefault(key, {})[ext] = archive.extractfile(member).read()
-    return {k: (v["jpg"], json.loads(v["json"])) for k, v in found.items()}
+    return {key: (jpg, meta) for key, (meta, jpg) in sa1b_originals(sa1b_src).items()}
 
 
 @pytest.mark.parametrize("mask_size", [32, None, 128])  # 128: masks finer than the 80-pixel images, allowed

@@ -7,11 +7,9 @@ validated."""
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import re
-import tarfile
 from fractions import Fraction
 
 import numpy as np
@@ -26,6 +24,7 @@ from pipeline.kinds.sa1b import Sa1bOptions
 from pipeline.kinds.sa1b_prompts import choose_masks
 from pipeline.rle import fit, nearest_index
 from pipeline.seeds import Purpose, key_entropy, sample_rng
+from conftest import sa1b_originals
 
 BASE = dict(batch_size=3, num_workers=0, seed=11, drop_last=False, image_size=80, mask_size=32, max_masks=6)
 SAM = dict(points_per_mask=3, box_noise=0.1)
@@ -41,13 +40,7 @@ def _epoch(root: str, epoch: int = 1, **options) -> list[dict]:
 @pytest.fixture(scope="module")
 def sources(sa1b_src: pathlib.Path) -> dict[str, tuple[dict, bytes]]:
     """Each sample's annotations JSON and JPEG, by key (the originals, not the packed records)."""
-    found: dict[str, dict] = {}
-    for path in sorted(sa1b_src.glob("*.tar")):
-        with tarfile.open(path) as archive:
-            for member in archive:
-                key, ext = member.name.split(".")
-                found.setdefault(key, {})[ext] = archive.extractfile(member).read()
-    return {key: (json.loads(m["json"]), m["jpg"]) for key, m in found.items()}
+    return sa1b_originals(sa1b_src)
 
 
 def _mirrored(batch: dict, mask_size: int, mask_widths: list[int] | None = None) -> dict:
