@@ -157,7 +157,7 @@ class StreamLoader:
         read-ahead waits for iteration `ticket`'s first batch (`schedule.FirstOut`)."""
         self._check_current(generation)
         clock, start = self._clock, time.perf_counter_ns()  # the hand-off: from asking to getting (workers start)
-        if (progress := self._stream.progress) is not None:
+        if (progress := self._stream.decoder.progress) is not None:
             progress.begin()  # (a stall counts from here at the earliest)
         batches = iter(self._loader)
         try:
@@ -428,7 +428,7 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
         stream.decoder.leases = Leases(workers)
         stream.first_out = FirstOut(config.multiprocessing_context)
         if config.stall_timeout is not None:
-            stream.progress = stream.decoder.progress = Progress(workers)
+            stream.decoder.progress = Progress(workers)
         _check_picklable(stream.kind, config.multiprocessing_context or multiprocessing.get_start_method())
     loader = DataLoader(
         stream,

@@ -24,7 +24,6 @@ from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_ba
 from pipeline.read import ProcessReaders, SampleReads
 from pipeline.position import Place, Position, hand_over
 from pipeline.schedule import FirstOut, Schedule
-from pipeline.watchdog import Progress
 from pipeline.state import EpochState
 from pipeline.stats import Clock, WorkerTable
 
@@ -59,8 +58,7 @@ class ShardStream(IterableDataset):
         # the manifest's SHA-256, shared so that a shard is hashed by one worker only.
         verified = torch.zeros(sum(len(s.split) for s in sources), 3, dtype=torch.int64).share_memory_() \
             if config.verify == "sha256" else None
-        self.first_out: FirstOut | None = None  # a StreamLoader's (`make_stream_loader` sets it) ...
-        self.progress: Progress | None = None  # ... and its workers' progress, for the stall watchdog
+        self.first_out: FirstOut | None = None  # a StreamLoader's (`make_stream_loader` sets it)
         self.finished, self.flatten, self.split_workers = finished, flatten, split_workers
         self.decoder = Decoder(sources, kind, config, self.skipped)  # (its `leases`, `progress`: make_stream_loader's)
         self.readers = ProcessReaders(sources, config, verified)
@@ -149,8 +147,8 @@ class ShardStream(IterableDataset):
         """The iteration's batches or samples from `position` on, which it keeps up to date."""
         info = get_worker_info() if self.split_workers else None
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
-        if info is not None and self.progress is not None:
-            self.progress.start(world.worker)
+        if info is not None and self.decoder.progress is not None:
+            self.decoder.progress.start(world.worker)
         clock = self.times.clock()
         # Resuming inside a batch: its first rows are not decoded again, unless skips may have left out
         # some of them (then they are decoded and dropped: rows and samples no longer correspond).
