@@ -74,6 +74,17 @@ def sa1b_originals(sa1b_src: pathlib.Path) -> dict[str, tuple[dict[str, Any], by
     return {key: (json.loads(m["json"]), m["jpg"]) for key, m in found.items()}
 
 
+def batches_of(loader: Any, epoch: int = 1, stop: int | None = None) -> list[Any]:
+    """The batches a loader yields for `epoch`, or its first `stop` (the iteration left open there)."""
+    loader.set_epoch(epoch)
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == stop:
+            break
+    return batches
+
+
 def indexed(root: str, split: str = "train", **storage: Any) -> list[tuple[ShardInfo, ShardIndex]]:
     """Each shard of a split with its index (keys, spans, units)."""
     return list(shard_indexes(root, read_manifest(root, storage or None), split, storage or None))

@@ -23,7 +23,7 @@ from pipeline.kinds.sa1b import annotation_arrays
 from pipeline.index import MEMBER_GAP, member_ranges
 from pipeline.tario import ReadLimits
 from shard_tools.index import index_sa1b
-from conftest import split_keys
+from conftest import batches_of, split_keys
 
 SMALL = dict(image_size=48, mask_size=16, max_masks=3)
 SPLITS = (("train", 0.7), ("val", 0.3))
@@ -42,14 +42,6 @@ def _loader(root, **kw):
     return make_stream_loader(root, "train", **{"batch_size": 2, "num_workers": 0, "seed": 5, **SMALL, **kw})
 
 
-def _batches(loader, epoch=1, stop=None):
-    loader.set_epoch(epoch)
-    batches = []
-    for batch in loader:
-        batches.append(batch)
-        if len(batches) == stop:
-            break
-    return batches
 
 
 def _assert_same(got, expected):
@@ -59,34 +51,34 @@ def _assert_same(got, expected):
 
 
 def test_every_sample_once_over_ranks_and_workers(originals):
-    seen = [k for rank in range(2) for b in _batches(_loader(originals, rank=rank, world_size=2, num_workers=2,
+    seen = [k for rank in range(2) for b in batches_of(_loader(originals, rank=rank, world_size=2, num_workers=2,
                                                              drop_last=False)) for k in b["keys"]]
     assert sorted(seen) == sorted(split_keys(originals))
 
 
 @pytest.mark.parametrize("stop", [1, 3])
 def test_resume_equals_uninterrupted(originals, stop):
-    full = _batches(_loader(originals))
+    full = batches_of(_loader(originals))
     first = _loader(originals, num_workers=2)
-    _batches(first, stop=stop)
+    batches_of(first, stop=stop)
     resumed = _loader(originals, num_workers=2)
     resumed.load_state_dict(first.state_dict())
-    _assert_same(_batches(resumed), full[stop:])
+    _assert_same(batches_of(resumed), full[stop:])
 
 
 def test_elastic_resume_two_ranks_to_one(originals):
     before = [_loader(originals, rank=r, world_size=2, drop_last=False) for r in range(2)]
-    seen = [k for loader in before for b in _batches(loader, stop=1) for k in b["keys"]]
+    seen = [k for loader in before for b in batches_of(loader, stop=1) for k in b["keys"]]
     after = _loader(originals, rank=0, world_size=1, drop_last=False, num_workers=2)
     after.load_state_dict(before[0].state_dict())
-    seen += [k for b in _batches(after) for k in b["keys"]]
+    seen += [k for b in batches_of(after) for k in b["keys"]]
     assert sorted(seen) == sorted(split_keys(originals))
 
 
 def test_mixed_with_a_packed_dataset_of_the_same_kind(originals, sa1b_dataset):
     loader = _loader([originals, sa1b_dataset], num_workers=2, drop_last=False, batch_size=3)
     samples = collections.defaultdict(list)
-    for batch in _batches(loader):
+    for batch in batches_of(loader):
         for i, key in enumerate(batch["keys"]):
             samples[key].append(batch["images"][i])
     assert sorted(samples) == sorted(split_keys(originals)) and {len(v) for v in samples.values()} == {2}
@@ -96,16 +88,16 @@ def test_mixed_with_a_packed_dataset_of_the_same_kind(originals, sa1b_dataset):
 def test_read_limits_apply_to_originals(originals):
     with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+': member sa_\d+\.jpg at byte \d+ claims \d+ bytes, "
                                          r"the index says \d+ \(or beyond the cap"):
-        _batches(_loader(originals, limits=ReadLimits(max_member_bytes=1000)))
+        batches_of(_loader(originals, limits=ReadLimits(max_member_bytes=1000)))
     with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+': spans \d+ bytes, more than max_sample_bytes=2000"):
-        _batches(_loader(originals, limits=ReadLimits(max_sample_bytes=2000)))
+        batches_of(_loader(originals, limits=ReadLimits(max_sample_bytes=2000)))
     with pytest.raises(ShardError, match=r"sa_00000\d\.tar: sample 'sa_\d+': more than 1 members"):
-        _batches(_loader(originals, limits=ReadLimits(max_members=1)))
+        batches_of(_loader(originals, limits=ReadLimits(max_members=1)))
     with pytest.raises(SampleError, match=r"sa_00000\d\.tar: sample 'sa_\d+', field 'image': invalid size 96x144"):
-        _batches(_loader(originals, limits=ReadLimits(max_image_pixels=100)))
+        batches_of(_loader(originals, limits=ReadLimits(max_image_pixels=100)))
     loader = _loader(originals, limits=ReadLimits(max_image_pixels=100), on_error="skip", drop_last=False)
     with pytest.raises(ShardError, match="all 2 samples of batch 0 failed"):
-        _batches(loader)
+        batches_of(loader)
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -126,10 +118,11 @@ def test_members_far_apart_are_read_by_their_own_ranges(sa1b_src, tmp_path):
     index_sa1b([str(archive)], str(tmp_path / "apart"), progress=False)
     index_sa1b([str(sa1b_src / "sa_000000.tar")], str(tmp_path / "plain"), progress=False)
     settings = dict(shuffle=False, drop_last=False, allowed_roots=[str(tmp_path), str(sa1b_src)])  # (archives outside)
-    _assert_same(_batches(_loader(str(tmp_path / "apart"), **settings)), _batches(_loader(str(tmp_path / "plain"), **settings)))
+    apart, plain = (batches_of(_loader(str(tmp_path / name), **settings)) for name in ("apart", "plain"))
+    _assert_same(apart, plain)
     # A sample 4 MiB wide reads its own bytes only: the limit counts what is read.
     size = max(len(data) for _, data in files) * 2 + 4096
-    assert len(_batches(_loader(str(tmp_path / "apart"), limits=ReadLimits(max_sample_bytes=size), **settings))) == 4
+    assert len(batches_of(_loader(str(tmp_path / "apart"), limits=ReadLimits(max_sample_bytes=size), **settings))) == 4
 
 
 def test_member_ranges():

@@ -20,6 +20,7 @@ from pipeline.errors import ConfigError
 from pipeline.kinds.sa1b import Sa1b, Sa1bOptions
 from pipeline.kinds.sa1b_prompts import Draw, box_prompts, choose_masks, point_prompts
 from pipeline.rle import fit, nearest_index, parse
+from conftest import batches_of
 
 BASE = dict(batch_size=3, num_workers=0, seed=11, drop_last=False, image_size=80, mask_size=32)
 SAM = dict(max_mask_area=0.09, points_per_mask=3, box_noise=0.1)
@@ -216,22 +217,13 @@ def test_all_options_off_keeps_the_batch():
 
 
 def test_same_prompts_for_any_workers_and_after_resume(sa1b_dataset):
-    def run(loader, epoch, stop=None):
-        loader.set_epoch(epoch)
-        batches = []
-        for batch in loader:
-            batches.append(batch)
-            if len(batches) == stop:
-                break
-        return batches
-
     options = dict(SAM, fill_masks=True, max_masks=8, min_stability_score=0.82)
-    reference = run(_loader(sa1b_dataset, **options), 2)
+    reference = batches_of(_loader(sa1b_dataset, **options), 2)
     first = _loader(sa1b_dataset, num_workers=2, **options)
-    head = run(first, 2, stop=2)
+    head = batches_of(first, 2, stop=2)
     resumed = _loader(sa1b_dataset, num_workers=2, **options)
     resumed.load_state_dict(first.state_dict())
-    got = head + run(resumed, 2)
+    got = head + batches_of(resumed, 2)
     assert [b["keys"] for b in got] == [b["keys"] for b in reference]
     for a, b in zip(got, reference):
         assert set(a) == set(b) and PROMPT_KEYS <= set(a)
