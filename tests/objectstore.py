@@ -49,11 +49,16 @@ EXPIRED_BODY = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ExpiredTok
 UNKNOWN_KEY = (b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n")
 UNKNOWN_KEY_BODY = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code><Message>The AWS Access Key Id you provided does not exist in our records.</Message></Error>'
 
+# What "slowdown" and "error500" answer (the response head with a %d for the body's length, the body):
+# S3's by default; a scheme whose server speaks otherwise passes its own to FaultProxy(answers=...).
+S3_ANSWERS = {"slowdown": (SLOWDOWN, SLOWDOWN_BODY), "error500": (ERROR500, ERROR500_BODY)}
+
 
 class FaultProxy:
     """HTTP proxy on 127.0.0.1 in front of the server, one request per connection, that records every
     request and injects faults into the next `count` requests that `match`:
-    - "slowdown": answers 503 SlowDown; "error500": answers 500 InternalError (the server never sees them);
+    - "slowdown": answers 503 SlowDown; "error500": answers 500 InternalError (the server never sees them;
+      `answers` gives another server's words for both);
     - "cut": relays the response head and `after_bytes` of the body, then closes the connection;
     - "reset": resets the connection (RST) before answering;
     - "stall": holds the connection silent for `seconds`, then closes it.
@@ -63,8 +68,9 @@ class FaultProxy:
     with an unknown one 403 InvalidAccessKeyId (fault "expired", "unknown"), and one signed with a
     valid one is signed again with the server's own key and passed on (signatures are not checked)."""
 
-    def __init__(self, upstream_port: int, credentials: Callable[[str | None], str] | None = None) -> None:
-        self.upstream_port = upstream_port
+    def __init__(self, upstream_port: int, credentials: Callable[[str | None], str] | None = None,
+                 answers: dict[str, tuple[bytes, bytes]] = S3_ANSWERS) -> None:
+        self.upstream_port, self.answers = upstream_port, answers
         self.credentials = credentials
         self.requests: list[Request] = []
         self.faults: list[_Fault] = []
@@ -153,8 +159,8 @@ class FaultProxy:
         fault = self._take_fault(request)
         try:
             if fault is not None and fault.mode in ("slowdown", "error500"):
-                payload = SLOWDOWN_BODY if fault.mode == "slowdown" else ERROR500_BODY
-                writer.write((SLOWDOWN if fault.mode == "slowdown" else ERROR500) % len(payload) + payload)
+                answer, payload = self.answers[fault.mode]
+                writer.write(answer % len(payload) + payload)
                 await writer.drain()
             elif fault is not None and fault.mode == "reset":
                 sock = writer.get_extra_info("socket")
