@@ -17,8 +17,8 @@ from typing import Any
 
 from shard_tools.pack import PackOptions
 
-__all__ = ["Command", "OUT", "Subparsers", "allow", "fractions", "images", "int_or_none", "pack_options", "quiet",
-           "shards", "size", "storage", "storage_options", "summary", "workers"]
+__all__ = ["Command", "OUT", "Subparsers", "allow", "boolean", "fractions", "images", "int_or_none", "pack_options",
+           "pair", "quiet", "shards", "size", "storage", "storage_options", "summary", "workers"]
 
 log = logging.getLogger("shard-pack")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -67,6 +67,23 @@ def int_or_none(text: str) -> int | None:
         return None if text.lower() == "none" else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: want an integer or 'none'") from None
+
+
+def boolean(text: str) -> bool:
+    """`true`/`false` (also yes/no, 1/0): a loader option that is True or False."""
+    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: want true or false")
+    return value
+
+
+def pair(text: str) -> tuple[float, float]:
+    """`LO,HI`: two numbers (a range such as scale_jitter's)."""
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid range {text!r}: want two numbers LO,HI, e.g. 0.1,2.0") from None
+    return lo, hi
 
 
 # -- flags several subcommands share, each set defined once as a parent parser ----------------------

@@ -27,6 +27,8 @@ from pipeline.errors import ConfigError, InputError, SampleError, ShardError
 from pipeline.format import SA1B_ANN, SA1B_JPG, SA1B_JSON, check_key, pack_record, parse_json
 from pipeline.rle import fit, nearest_index
 from pipeline.kinds.sa1b import annotation_record
+from pipeline.kinds.sa1b_augment import RESIZE_MODES
+from pipeline.kinds.sa1b_prompts import BOX_NOISE_MODES
 from pipeline.storage import filesystem
 from pipeline.tario import BLOCK, ArchiveMember
 import shard_tools.flags as flags
@@ -272,16 +274,27 @@ def _wanted(name: str) -> bool:
     return name.endswith((f".{SA1B_JPG}", f".{SA1B_JSON}"))
 
 
-# -- `shard-pack preview`: masks and boxes over the image -----------------------------------------
+# -- `shard-pack preview`: masks, boxes and prompts over the image ---------------------------------
+
+def _mask_frame(batch: dict[str, Any], i: int) -> tuple[int, int]:
+    """The part of sample i's mask canvas that covers its image: the mask frame (`fit`) where the image
+    has its own frame; else (`resize="square"`, `scale_jitter`) the mask pixels whose centres lie in it."""
+    s, m = batch["images"].shape[-1], batch["masks"].shape[-1]
+    original, content = batch["original_sizes"][i].tolist(), tuple(batch["image_sizes"][i].tolist())
+    if content == fit(*original, s):
+        return fit(*original, m)
+    return min(m, -(-(2 * content[0] * m - s) // (2 * s))), min(m, -(-(2 * content[1] * m - s) // (2 * s)))
+
 
 def _tiles(batch: dict[str, Any], tile: int) -> Tiles:
     """Each image cut to its frame, its masks scaled from the mask frame into it by the loader's own
-    nearest rule, each in its own colour (smaller over larger) at `ALPHA`, and each mask's box."""
-    tiles, m = [], batch["masks"].shape[-1]
+    nearest rule, each in its own colour (smaller over larger) at `ALPHA`, each mask's box, and the
+    prompts where the batch has them: prompt boxes dotted, points as dots ringed in white."""
+    tiles = []
     for i in range(len(batch["keys"])):
         shown = picture(batch["images"][i], batch["image_sizes"][i], tile)
         (h, w), (tw, th) = batch["image_sizes"][i].tolist(), shown.size
-        mh, mw = fit(*batch["original_sizes"][i].tolist(), m)  # the mask frame
+        mh, mw = _mask_frame(batch, i)
         rows, cols = nearest_index(mh, th), nearest_index(mw, tw)
         count = int(batch["mask_counts"][i])
         colours = mask_colours(count)
@@ -292,13 +305,28 @@ def _tiles(batch: dict[str, Any], tile: int) -> Tiles:
         pixels = np.asarray(shown, dtype=np.float32).copy()
         pixels[covered] = (1 - ALPHA) * pixels[covered] + ALPHA * paint[covered]
         shown = Image.fromarray(pixels.round().astype(np.uint8))
-        draw = ImageDraw.Draw(shown)
-        for j, (x0, y0, x1, y1) in enumerate(batch["boxes"][i, :count].tolist()):
-            box = [round(x0 * tw / w), round(y0 * th / h), round(x1 * tw / w) - 1, round(y1 * th / h) - 1]
-            draw.rectangle([box[0], box[1], max(box[0], box[2]), max(box[1], box[3])], outline=colours[j])
+        draw, scale = ImageDraw.Draw(shown), np.array([tw / w, th / h, tw / w, th / h])
+        for j, corners in enumerate(batch["boxes"][i, :count].cpu().numpy() * scale):
+            draw.rectangle(_box(corners), outline=colours[j])
+        for j, corners in enumerate(batch["prompt_boxes"][i, :count].cpu().numpy() * scale
+                                    if "prompt_boxes" in batch else ()):
+            x0, y0, x1, y1 = _box(corners)
+            dots = [(x, y) for x in range(x0, x1 + 1, 3) for y in (y0, y1)] + \
+                [(x, y) for y in range(y0, y1 + 1, 3) for x in (x0, x1)]
+            draw.point(dots, fill=colours[j])
+        for j, points in enumerate(batch["point_coords"][i, :count].cpu().numpy() * scale[:2]
+                                   if "point_coords" in batch else ()):
+            for x, y in points:
+                draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colours[j], outline=(255, 255, 255))
         size = "x".join(map(str, batch["original_sizes"][i].tolist()))
         tiles.append((shown, wrap(str(batch["keys"][i]), tile, 1) + [f"{count} masks, original {size}"]))
     return tiles
+
+
+def _box(corners: np.ndarray) -> list[int]:
+    """A box's corners (XYXY, tile pixels) as the pixels its outline is drawn on."""
+    x0, y0, x1, y1 = (round(v) for v in corners.tolist())
+    return [x0, y0, max(x0, x1 - 1), max(y0, y1 - 1)]
 
 
 PACKING = PackingKind(
@@ -308,5 +336,16 @@ PACKING = PackingKind(
     preview=Drawing(tiled(_tiles), shows="SA-1B: masks and boxes over the image"),
     options=(KindOption("--image-size", "SA-1B", int_or_none),
              KindOption("--mask-size", "SA-1B (none = the image frame)", int_or_none),
-             KindOption("--max-masks", "SA-1B", int)),
+             KindOption("--max-masks", "SA-1B", int),
+             *(KindOption(f"--{name}", f"SA-1B: {what}", float) for name, what in (
+                 ("max-mask-area", "masks over this fraction of the image never chosen"),
+                 ("min-predicted-iou", "masks below it never chosen"),
+                 ("min-stability-score", "masks below it never chosen"),
+                 ("box-noise", "prompt boxes with noise of this std x side (drawn dotted)"),
+                 ("hflip", "probability of a mirrored sample"))),
+             KindOption("--fill-masks", "SA-1B: repeat masks up to --max-masks (true/false)", flags.boolean),
+             KindOption("--points-per-mask", "SA-1B: point prompts per mask (drawn as dots)", int),
+             KindOption("--box-noise-mode", "SA-1B", choices=BOX_NOISE_MODES),
+             KindOption("--resize", "SA-1B", choices=RESIZE_MODES),
+             KindOption("--scale-jitter", "SA-1B: LO,HI factors of the image size (large-scale jitter)", flags.pair)),
 )
