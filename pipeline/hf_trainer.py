@@ -57,7 +57,7 @@ class StreamResume(TrainerCallback):
             log.warning("the checkpoint has no record of its dataset (it was saved without resume_callback): "
                         "resuming at global step %d of this dataset, unchecked", state.global_step)
         else:
-            _check(saved, here)
+            _check(saved, here, self.stream.option_defaults)
         micro = state.global_step * args.gradient_accumulation_steps  # micro-batches trained
         if self.start is None:
             self._position(micro, batching["batches per epoch"], args.gradient_accumulation_steps)
@@ -122,10 +122,10 @@ class StreamResume(TrainerCallback):
         self._offset = None
 
 
-def _check(saved: dict[str, Any], here: dict[str, Any]) -> None:
+def _check(saved: dict[str, Any], here: dict[str, Any], defaults: dict[str, Any]) -> None:
     """Refuse a checkpoint of another dataset, order, kind options or batching."""
     if saved.get("batching") != here["batching"]:
         raise ConfigError(f"cannot resume: the checkpoint was trained in other batches "
                           f"({differences(saved.get('batching') or {}, here['batching'])}); the same global "
                           "batch resumes on any number of processes")
-    check_identity(saved, {k: v for k, v in here.items() if k != "batching"})
+    check_identity(saved, {k: v for k, v in here.items() if k != "batching"}, defaults)

@@ -25,7 +25,7 @@ from pipeline.index import SplitIndex
 from pipeline.kinds import Kind, kind_of
 from pipeline.plan import Mix, Resume, World
 from pipeline.stats import MAIN_STAGES, Clock, LoaderStats
-from pipeline.state import ORDER_SETTINGS, STATE_VERSION, describe, fingerprint, resume_point
+from pipeline.state import ORDER_SETTINGS, STATE_VERSION, describe, fingerprint, option_defaults, resume_point
 from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
 from pipeline.storage.places import Places
 from pipeline.schedule import FirstOut
@@ -238,7 +238,7 @@ class StreamLoader:
         world size, the samples no rank had taken are split over the new world. A state of another
         dataset, split, ordering settings or kind options is refused. An iterator still open is no
         longer valid."""
-        epoch, history = resume_point(state, self._stream.identity)
+        epoch, history = resume_point(state, self._stream.identity, self._stream.option_defaults)
         self._stream.state.set(epoch, history)
         self._moved()
         self._stream.batches()  # refuse now a history this dataset cannot have
@@ -366,6 +366,7 @@ def _stream(source: str | Sequence[str], split: str, config: LoaderConfig, optio
                        "split": split, "units": [int(s.sizes.sum()) for s in sources],
                        **{name: getattr(config, name) for name in ORDER_SETTINGS}, "kind": manifests[0].kind,
                        "options": describe(kind.options)}
+    stream.option_defaults = option_defaults(kind.options)
     if stream.batches() == 0:
         raise DatasetError(
             f"{', '.join(roots)}: split {split!r} gives {stream.total} samples per epoch, too few for one batch of "

@@ -49,12 +49,14 @@ class Place:
                 "world_size": world.world_size, "num_workers": p.num_workers, "worker": p.worker,
                 "batches": p.batches, "rows": p.rows}
 
-    def load(self, state: dict[str, Any], identity: dict[str, Any], here: World, in_step: bool) -> None:
+    def load(self, state: dict[str, Any], identity: dict[str, Any], here: World, in_step: bool,
+             defaults: dict[str, Any] | None = None) -> None:
         """Refuse a state of another dataset, order, kind options, world or worker; else keep it for the
         next iteration. A state of another rank of the same world is this rank's too when `in_step`:
         the ranks' workers hand over the same batches and rows in step (a trainer saves rank 0's and
-        loads it on every rank, as Lightning does); with skips they may not."""
-        epoch, history = resume_point(state, identity)
+        loads it on every rank, as Lightning does); with skips they may not. Kind options the state
+        lacks are taken at their `defaults`."""
+        epoch, history = resume_point(state, identity, defaults)
         try:
             world, rank, workers, worker = (int(state[k]) for k in ("world_size", "rank", "num_workers", "worker"))
             batches, rows = int(state["batches"]), int(state["rows"])

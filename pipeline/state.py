@@ -17,8 +17,8 @@ from pipeline.errors import ConfigError
 from pipeline.format import Manifest
 from pipeline.plan import Resume
 
-__all__ = ["EpochState", "STATE_VERSION", "ORDER_SETTINGS", "fingerprint", "describe", "differences", "check_identity",
-           "resume_point"]
+__all__ = ["EpochState", "STATE_VERSION", "ORDER_SETTINGS", "fingerprint", "describe", "option_defaults", "differences",
+           "check_identity", "resume_point"]
 
 # 3: the mixed order is windowed (a state of an earlier mixed epoch would not resume exactly);
 # 4: the kind's options are part of what a state must share
@@ -101,22 +101,42 @@ def differences(there: Mapping[str, Any], here: Mapping[str, Any]) -> str:
     return "; ".join(f"{k}: {shown(there, k)} there, {shown(here, k)} here" for k in names)
 
 
-def check_identity(state: Any, identity: dict[str, Any]) -> None:
-    """Refuse a saved state of another dataset, split, order or kind options than `identity` says."""
+def option_defaults(options: Any) -> dict[str, Any]:
+    """A kind's options' defaults (its dataclass's), described as `describe` describes values: what an
+    option absent from a saved state meant (it did not exist yet, and its default keeps the batches
+    as they were without it)."""
+    if not dataclasses.is_dataclass(options):
+        return {}
+    found = {}
+    for field in dataclasses.fields(options):
+        if field.default is not dataclasses.MISSING:
+            found[field.name] = describe(field.default)
+        elif field.default_factory is not dataclasses.MISSING:
+            found[field.name] = describe(field.default_factory())
+    return found
+
+
+def check_identity(state: Any, identity: dict[str, Any], defaults: Mapping[str, Any] | None = None) -> None:
+    """Refuse a saved state of another dataset, split, order or kind options than `identity` says. A
+    kind option the state lacks (saved before the option existed) is taken at its default (`defaults`)."""
     if not isinstance(state, Mapping):
         raise ConfigError(f"cannot resume: a state is a dict, got {type(state).__name__}")
     for name, value in identity.items():
-        if state.get(name) != value:
-            if name == "options" and isinstance(value, dict) and isinstance(state.get(name), dict):
+        saved = state.get(name)
+        if name == "options" and isinstance(value, dict) and isinstance(saved, dict):
+            saved = {**{k: v for k, v in (defaults or {}).items() if k in value}, **saved}
+            if saved != value:
                 raise ConfigError("cannot resume: the state was saved with other options of the kind "
-                                  f"({differences(state[name], value)})")
-            raise ConfigError(f"cannot resume: the state's {name} is {state.get(name)!r}, this loader's is {value!r}")
+                                  f"({differences(saved, value)})")
+        elif saved != value:
+            raise ConfigError(f"cannot resume: the state's {name} is {saved!r}, this loader's is {value!r}")
 
 
-def resume_point(state: dict[str, Any], identity: dict[str, Any]) -> tuple[int, tuple[Resume, ...]]:
+def resume_point(state: dict[str, Any], identity: dict[str, Any],
+                 defaults: Mapping[str, Any] | None = None) -> tuple[int, tuple[Resume, ...]]:
     """(epoch, history) of a saved state, refused when it is of another dataset, split, order or kind
-    options than `identity` says, or malformed."""
-    check_identity(state, identity)
+    options than `identity` says (options it lacks taken at their `defaults`), or malformed."""
+    check_identity(state, identity, defaults)
     try:
         history = tuple(Resume(int(w), int(b)) for w, b in state["history"])
         epoch = int(state["epoch"])

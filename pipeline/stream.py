@@ -63,6 +63,7 @@ class ShardStream(IterableDataset):
         self.decoder = Decoder(sources, kind, config, self.skipped)  # (its `leases`, `progress`: make_stream_loader's)
         self.readers = ProcessReaders(sources, config, verified)
         self.identity: dict[str, Any] = {}  # what a saved state must share with this stream (`state.resume_point`)
+        self.option_defaults: dict[str, Any] = {}  # what a kind option a saved state lacks meant
         self.place = Place()  # this process's own position in its iteration (`state_dict`), or a loaded one
 
     @property
@@ -116,7 +117,8 @@ class ShardStream(IterableDataset):
         world left off (of any rank: they move in step): no sample yielded twice, none decoded again. A
         state of another dataset, split, order or kind options, another world size or another number of
         DataLoader workers is refused."""
-        self.place.load(state, self.identity, self._world(), in_step=self.config.on_error == "raise")
+        self.place.load(state, self.identity, self._world(), in_step=self.config.on_error == "raise",
+                        defaults=self.option_defaults)
 
     def start_at(self, items: int) -> None:
         """Start this process's next iteration of the chosen epoch after the first `items` items it

@@ -109,6 +109,25 @@ def test_elastic_resume_takes_every_sample_once(sa1b_dataset, before, after):
     assert sorted(seen) == split
 
 
+def test_a_state_saved_before_the_fine_tuning_options_existed_resumes_exactly(sa1b_dataset):
+    """A state of an earlier release, whose kind options lack those added since (each at its default
+    here, so the batches are the same), resumes as an uninterrupted run goes on; one that sets one
+    of them is still refused, naming it."""
+    whole = _keys(_run(_loader(sa1b_dataset), 1))
+    loader = _loader(sa1b_dataset)
+    first = _keys(_run(loader, 1, stop=2))
+    state = loader.state_dict()
+    added = ("max_mask_area", "min_predicted_iou", "min_stability_score", "fill_masks", "points_per_mask",
+             "box_noise", "box_noise_mode", "hflip", "resize", "scale_jitter")
+    old = {**state, "options": {k: v for k, v in state["options"].items() if k not in added}}
+    assert set(state["options"]) - set(old["options"]) == set(added)
+    resumed = _loader(sa1b_dataset)
+    resumed.load_state_dict(old)
+    assert first + _keys(_run(resumed, 1)) == whole
+    with pytest.raises(ValueError, match=r"other options of the kind \(hflip: 0.0 there, 0.5 here\)"):
+        _loader(sa1b_dataset, hflip=0.5).load_state_dict(old)
+
+
 def test_mismatched_state_is_refused(sa1b_dataset, sa1b_src, tmp_path):
     from shard_tools.pack import PackOptions, pack
     from shard_tools.sa1b import Sa1bSource

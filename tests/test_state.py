@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.plan import Resume
-from pipeline.state import EpochState, fingerprint, resume_point
+from pipeline.state import EpochState, fingerprint, option_defaults, resume_point
 
 
 def test_epoch_and_history_round_trip():
@@ -38,6 +38,25 @@ def test_resume_point_checks_identity_and_form():
         resume_point({**state, "seed": 1}, identity)
     with pytest.raises(ValueError, match="malformed state"):
         resume_point({**identity, "epoch": 2, "history": [[4]]}, identity)
+
+
+def test_an_option_a_state_lacks_is_taken_at_its_default():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        size: int = 64
+        flip: float = 0.0  # (added after the state below was saved)
+        ranges: tuple = dataclasses.field(default_factory=lambda: (1, 2))
+
+    assert option_defaults(Options()) == {"size": 64, "flip": 0.0, "ranges": [1, 2]}
+    old = {"version": 3, "options": {"size": 64}, "epoch": 1, "history": []}
+    here = {"version": 3, "options": {"size": 64, "flip": 0.0, "ranges": [1, 2]}}
+    assert resume_point(old, here, option_defaults(Options())) == (1, ())
+    with pytest.raises(ValueError, match=r"other options of the kind \(flip: 0.0 there, 0.5 here\)"):
+        resume_point(old, {**here, "options": {**here["options"], "flip": 0.5}}, option_defaults(Options()))
+    with pytest.raises(ValueError, match=r"flip: absent there, 0.0 here"):  # (no defaults known: refused)
+        resume_point(old, here)
 
 
 class _Manifest:
