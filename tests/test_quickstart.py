@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -111,6 +112,27 @@ def test_the_qwen2_vl_recipe_runs_on_the_demo_data(tmp_path: pathlib.Path) -> No
     assert len(lines) == 4 and all(line.endswith(")") for line in lines[:3])
     sizes, originals = json.loads("[" + lines[3].replace("]] [[", "]], [[") + "]")
     assert all(h % 28 == 0 and w % 28 == 0 for h, w in sizes) and len(originals) == len(sizes) == 4
+
+
+def test_the_sam_recipe_runs_as_written(tmp_path: pathlib.Path, sa1b_dataset: str) -> None:
+    """docs/loading.md's SAM fine-tuning recipe, its blocks in order, verbatim, in a folder whose
+    `.cache/demo/shards` is an SA-1B dataset packed as `make demo` packs one."""
+    blocks = _blocks(_section((REPO / "docs" / "loading.md").read_text(), "SAM fine-tuning"))
+    assert [language for language, _ in blocks] == ["python", "sh"]
+    (tmp_path / ".cache" / "demo").mkdir(parents=True)
+    (tmp_path / ".cache" / "demo" / "shards").symlink_to(sa1b_dataset)
+    code = blocks[0][1] + "\nprint(*(tuple(batch[k].shape) for k in ('point_coords', 'prompt_boxes')))\n"
+    (tmp_path / "recipe.py").write_text(code)
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for command in ([sys.executable, "recipe.py"], ["bash", "-euo", "pipefail", "-c", blocks[1][1]]):
+        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{command}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        if command[0] == sys.executable:
+            points, boxes = re.findall(r"\(([\d, ]+)\)", result.stdout)
+            n = int(points.split(",")[1])
+            assert points == f"4, {n}, 1, 2" and boxes == f"4, {n}, 4" and 0 < n <= 16
+    with Image.open(tmp_path / "sam.png") as picture:
+        picture.verify()
 
 
 def test_readme_is_short_and_shows_the_two_commands() -> None:
