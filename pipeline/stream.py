@@ -27,7 +27,16 @@ from pipeline.schedule import FirstOut, Schedule
 from pipeline.state import EpochState
 from pipeline.stats import Clock, WorkerTable
 
-__all__ = ["ShardStream", "WorkerError"]
+__all__ = ["Asked", "ShardStream", "WorkerError"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What a StreamLoader's iteration asks of its workers: its `FirstOut` ticket, epoch and history."""
+
+    ticket: int
+    epoch: int
+    history: tuple[Resume, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +68,9 @@ class ShardStream(IterableDataset):
         verified = torch.zeros(sum(len(s.split) for s in sources), 3, dtype=torch.int64).share_memory_() \
             if config.verify == "sha256" else None
         self.first_out: FirstOut | None = None  # a StreamLoader's (`make_stream_loader` sets it)
+        # What the StreamLoader's iteration asks for (its FirstOut ticket, epoch and history), in this
+        # process's memory, not shared: workers started for it (forked or spawned) take it with them.
+        self.asked: Asked | None = None
         self.finished, self.flatten, self.split_workers = finished, flatten, split_workers
         self.decoder = Decoder(sources, kind, config, self.skipped)  # (its `leases`, `progress`: make_stream_loader's)
         self.readers = ProcessReaders(sources, config, verified)
@@ -142,8 +154,17 @@ class ShardStream(IterableDataset):
         if world.num_workers > self.skipped.shape[1]:
             raise ConfigError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
                               f"({self.skipped.shape[1]}); pass max_workers")
-        ticket = None if self.first_out is None else (self.first_out, self.first_out.current())
-        return self._yield(world, self.place.start(self._fresh(), self.state, self.batches), ticket)
+        # A worker's first iteration is the one it was started for (`asked`, as it was when the main
+        # process started it), never what the shared state says by the time the worker runs: under
+        # load a worker may start after the main process has taken the iteration's batches from the
+        # others and begun the next one. Later iterations (torch resuming persistent workers, which
+        # it does while the main process waits) read the shared state.
+        asked, self.asked = self.asked, None
+        fresh = self._fresh() if asked is None else Position(asked.epoch, asked.history, world.worker,
+                                                              world.num_workers)
+        number = asked.ticket if asked is not None else self.first_out.current() if self.first_out else 0
+        ticket = None if self.first_out is None else (self.first_out, number)
+        return self._yield(world, self.place.start(fresh, self.state, self.batches), ticket)
 
     def _yield(self, world: World, position: Position, ticket: tuple[FirstOut, int] | None) -> Iterator[Any]:
         """The iteration's batches or samples from `position` on, which it keeps up to date."""

@@ -8,11 +8,13 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from pipeline import make_stream_loader
+from pipeline.stream import ShardStream
 from conftest import split_keys
 
 SMALL = dict(image_size=48, mask_size=16, max_masks=3)
@@ -107,6 +109,41 @@ def test_elastic_resume_takes_every_sample_once(sa1b_dataset, before, after):
         seen += [k for b in batches for k in b["keys"]]
     assert len(counts) == 1
     assert sorted(seen) == split
+
+
+_LATE = {"slept": False}  # (per process: a forked worker inherits it unset)
+
+
+def _late_world(self):
+    """ShardStream._world, but worker 1 first starts 2 s late (a worker under load)."""
+    info = torch.utils.data.get_worker_info()
+    if info is not None and info.id == 1 and not _LATE["slept"]:
+        _LATE["slept"] = True
+        time.sleep(2.0)
+    return _WORLD(self)
+
+
+_WORLD = ShardStream._world
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_worker_that_starts_late_plays_the_iteration_it_was_started_for(sa1b_dataset, monkeypatch, persistent):
+    """Resumed with one batch left (worker 0's), a trainer takes it and begins the next epoch before
+    worker 1 has even started: worker 1 must play the resumed epoch it was started for (nothing left
+    for it), not the next one that the shared state says by then: that one's batches would be made
+    for the old iteration's requests and dropped, and its wait for the next iteration's first batch
+    would hold torch's resuming of the workers (persistent ones) past its timeout."""
+    whole = [_keys(_run(_loader(sa1b_dataset), epoch)) for epoch in (0, 1)]
+    first = _loader(sa1b_dataset, num_workers=2)
+    _run(first, 0, stop=len(whole[0]) - 1)
+    state = first.state_dict()
+    monkeypatch.setattr(ShardStream, "_world", _late_world)
+    resumed = _loader(sa1b_dataset, num_workers=2, persistent_workers=persistent)
+    resumed.load_state_dict(state)
+    taken = next(iter(resumed))  # (the epoch's last batch; a trainer stops at len(): no next())
+    assert taken["keys"] == whole[0][-1]
+    assert _keys(_run(resumed, 1)) == whole[1]
+    resumed.close()
 
 
 def test_a_state_saved_before_the_fine_tuning_options_existed_resumes_exactly(sa1b_dataset):
