@@ -30,7 +30,7 @@ from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, sh
 from pipeline.storage.places import Places
 from pipeline.schedule import FirstOut
 from pipeline.watchdog import Progress, next_batch, tick
-from pipeline.stream import Asked, ShardStream, WorkerError
+from pipeline.stream import ShardStream, WorkerError
 
 __all__ = ["LoaderConfig", "LoaderStats", "StreamLoader", "make_stream_loader", "make_stream_dataset",
            "validate_first_batch"]
@@ -191,8 +191,7 @@ class StreamLoader:
         clock.mark()  # (from here, the time outside the stages' blocks is "other")
         history, world_size = stream.state.history, stream.world_size
         first_out = stream.first_out
-        ticket = first_out.begin() if first_out is not None else 0  # (before `_pulled` asks the workers)
-        stream.asked = Asked(ticket, stream.state.epoch, history)  # (what workers started for it play)
+        ticket = stream.ask()  # (before `_pulled` asks the workers)
         batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._pulled(generation, first_out, ticket))
         if self.device is not None and self.device.type == "cuda":
             batches = prefetch_to_cuda(batches, self.device)

@@ -141,6 +141,13 @@ class ShardStream(IterableDataset):
         self.place.hold(dataclasses.replace(self._fresh(), **dict(zip(("batches", "rows"),
                                                                       divmod(items, self.config.batch_size)))))
 
+    def ask(self) -> int:
+        """In the main process, before a StreamLoader's iteration asks its workers: the iteration's
+        `FirstOut` ticket (0: none), kept with the epoch and history it plays (`asked`)."""
+        ticket = self.first_out.begin() if self.first_out is not None else 0
+        self.asked = Asked(ticket, self.state.epoch, self.state.history)
+        return ticket
+
     def _world(self) -> World:
         info = get_worker_info() if self.split_workers else None
         return World(self.rank, self.world_size, info.id if info else 0, info.num_workers if info else 1)
@@ -154,11 +161,10 @@ class ShardStream(IterableDataset):
         if world.num_workers > self.skipped.shape[1]:
             raise ConfigError(f"{world.num_workers} DataLoader workers, more than this dataset was made for "
                               f"({self.skipped.shape[1]}); pass max_workers")
-        # A worker's first iteration is the one it was started for (`asked`, as it was when the main
-        # process started it), never what the shared state says by the time the worker runs: under
-        # load a worker may start after the main process has taken the iteration's batches from the
-        # others and begun the next one. Later iterations (torch resuming persistent workers, which
-        # it does while the main process waits) read the shared state.
+        # A worker's first iteration is the one it was started for (`asked`), never what the shared
+        # state says by the time it runs: under load it may start after the main process took the
+        # iteration's batches from the others and began the next. Later ones (torch resuming
+        # persistent workers, while the main process waits for them) read the shared state.
         asked, self.asked = self.asked, None
         fresh = self._fresh() if asked is None else Position(asked.epoch, asked.history, world.worker,
                                                               world.num_workers)
