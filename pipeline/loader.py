@@ -29,7 +29,7 @@ from pipeline.state import ORDER_SETTINGS, STATE_VERSION, describe, fingerprint,
 from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
 from pipeline.storage.places import Places
 from pipeline.schedule import FirstOut
-from pipeline.watchdog import Progress, next_batch, tick
+from pipeline.watchdog import Progress, next_batch, started, tick
 from pipeline.stream import ShardStream, WorkerError
 
 __all__ = ["LoaderConfig", "LoaderStats", "StreamLoader", "make_stream_loader", "make_stream_dataset",
@@ -159,8 +159,8 @@ class StreamLoader:
         clock, start = self._clock, time.perf_counter_ns()  # the hand-off: from asking to getting (workers start)
         if (progress := self._stream.decoder.progress) is not None:
             progress.begin()  # (a stall counts from here at the earliest)
-        batches = iter(self._loader)
         try:
+            batches = started(self._loader, progress, self.config.stall_timeout)
             while True:
                 self._check_current(generation)
                 try:
@@ -171,15 +171,15 @@ class StreamLoader:
                 except (ConnectionResetError, EOFError) as exc:  # (torch's own message comes at the SIGCHLD, wherever)
                     raise RuntimeError("a DataLoader worker ended while handing over a batch (killed, or out of "
                                        f"memory?): {_describe(exc)}") from exc
-                except StallError as error:
-                    log.error("%s", error)
-                    self.close()  # (torch ends the stuck workers: SIGTERM after its join timeout)
-                    raise
                 clock.add("hand-off", time.perf_counter_ns() - start)
                 yield batch
                 if first_out is not None:  # (asked for the next: the first is out, or the device stage takes one ahead)
                     first_out.release(ticket)
                 start = time.perf_counter_ns()
+        except StallError as error:
+            log.error("%s", error)
+            self.close()  # (torch ends the stuck workers: SIGTERM after its join timeout)
+            raise
         finally:
             if first_out is not None:
                 first_out.release(ticket)  # (however the iteration ends, no worker waits for its first batch)

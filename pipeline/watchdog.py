@@ -21,7 +21,7 @@ import torch
 
 from pipeline.errors import StallError
 
-__all__ = ["Progress", "STAGES", "next_batch", "tick"]
+__all__ = ["Progress", "STAGES", "next_batch", "started", "tick"]
 
 STAGES = ("starting", "reading", "decoding", "collating", "handing over a batch", "done")
 _TEXT = 512  # bytes of "URL key" kept per worker
@@ -89,6 +89,34 @@ def tick(stall_timeout: float | None) -> float:
     """How long the DataLoader waits for a batch before the loader looks at its workers' progress,
     then waits again: torch's `timeout` (0, none, without a watchdog)."""
     return 0 if stall_timeout is None else min(5.0, stall_timeout / 2)
+
+
+def started(loader: Any, progress: Progress | None, stall_timeout: float | None) -> Iterator[Any]:
+    """`iter(loader)` (a DataLoader). With persistent workers torch first resumes them, waiting for
+    each to finish what the last iteration had asked of it, in `tick`s of the loader's timeout; a
+    tick there would end it (that wait cannot go on after torch's timeout error), so there each tick
+    only looks at the workers' progress, as `next_batch` does: a StallError once none has moved for
+    `stall_timeout` seconds, however many ticks a moving worker takes."""
+    iterator = getattr(loader, "_iterator", None)  # (the persistent workers' iterator: torch has no public way)
+    if iterator is None or progress is None or stall_timeout is None:
+        return iter(loader)
+    fetch = iterator._try_get_data
+
+    def patiently(timeout: float = 0.0) -> tuple[bool, Any]:
+        while True:
+            found = fetch(timeout)
+            if found[0] or progress.stalled(stall_timeout):
+                return found
+
+    iterator._try_get_data = patiently
+    try:
+        return iter(loader)
+    except RuntimeError as exc:
+        if not str(exc).startswith("DataLoader timed out"):
+            raise
+        raise progress.error(stall_timeout) from None
+    finally:
+        del iterator._try_get_data
 
 
 def next_batch(batches: Iterator[Any], progress: Progress | None, stall_timeout: float | None) -> Any:

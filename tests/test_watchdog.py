@@ -24,7 +24,7 @@ import json, multiprocessing, sys, threading
 from pipeline import StallError, make_stream_loader
 from pipeline.kinds.sa1b import Sa1b
 
-root, stuck = sys.argv[1], sys.argv[2]
+root, stuck, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 decode = Sa1b.decode
 
 def decode_or_hang(self, members, *, key, **kwargs):  # (forked workers inherit it)
@@ -37,6 +37,9 @@ loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, stall_ti
                             mask_size=16, max_masks=2)
 batches = 0
 try:
+    if mode == "next iteration":  # (a loop that breaks out after a batch and begins the next epoch)
+        next(iter(loader))
+        loader.set_epoch(1)
     for batch in loader:
         batches += 1
 except StallError as exc:
@@ -45,9 +48,15 @@ except StallError as exc:
 """
 
 
-def test_a_worker_stuck_on_a_sample_ends_the_iteration_naming_it(sa1b_dataset):
-    stuck = split_keys(sa1b_dataset)[3]
-    out, err = run_bounded([sys.executable, "-c", _STUCK, sa1b_dataset, stuck], 90,
+@pytest.mark.parametrize("mode", ["in an iteration", "next iteration"])
+def test_a_worker_stuck_on_a_sample_ends_the_iteration_naming_it(sa1b_dataset, mode):
+    """Stuck while making a batch of the iteration, or one its last iteration had asked for (the
+    next waits for it: torch resumes persistent workers only once they are done)."""
+    if mode == "in an iteration":
+        stuck = split_keys(sa1b_dataset)[3]
+    else:  # (worker 0's second batch of epoch 0, asked for ahead while the first is taken)
+        stuck = list(make_stream_loader(sa1b_dataset, "train", batch_size=2, seed=3, **SMALL))[2]["keys"][0]
+    out, err = run_bounded([sys.executable, "-c", _STUCK, sa1b_dataset, stuck, mode], 90,
                            "a worker stuck on a sample hung the loader: the watchdog never fired")
     assert out.strip(), err
     found = json.loads(out)
@@ -73,6 +82,25 @@ def test_a_slow_worker_that_moves_is_not_stopped(sa1b_dataset, monkeypatch):
     monkeypatch.setattr(Sa1b, "decode", slow)  # (forked workers inherit it)
     loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, stall_timeout=4, **SMALL)
     reference = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, **SMALL)
+    assert [b["keys"] for b in loader] == [b["keys"] for b in reference]
+
+
+def test_a_new_iteration_waits_for_workers_finishing_slow_batches_of_the_last(sa1b_dataset, monkeypatch):
+    """A loop that breaks out of an epoch and begins the next while each worker still makes the
+    batches asked of it before (2 s each, past the watchdog's 1 s tick): torch resumes its persistent
+    workers only once they are done, and that wait is no stall, however many ticks it takes."""
+    decode = Sa1b.decode
+
+    def slow(self, members, **kwargs):
+        time.sleep(1.0)
+        return decode(self, members, **kwargs)
+
+    monkeypatch.setattr(Sa1b, "decode", slow)  # (forked workers inherit it)
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, stall_timeout=2, seed=3, **SMALL)
+    reference = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, seed=3, **SMALL)
+    reference.set_epoch(1)
+    next(iter(loader))
+    loader.set_epoch(1)
     assert [b["keys"] for b in loader] == [b["keys"] for b in reference]
 
 
