@@ -73,7 +73,8 @@ def client(url: str, storage_options: dict[str, Any] | None) -> tuple[AzureClien
 
 def filesystem(url: str, storage_options: dict[str, Any]) -> AbstractFileSystem:
     """adlfs's filesystem for the URL, its own instance (its listings cache off), with azure-storage-blob's
-    retries off; a ConfigError naming the URL where adlfs is missing or no account is given."""
+    retries off, and the URL's scheme first among its protocols (adlfs names every URL it makes `abfs://`);
+    a ConfigError naming the URL where adlfs is missing or no account is given."""
     options = {"skip_instance_cache": True, "use_listings_cache": False, **emulator_options(storage_options)}
     try:
         fs, _ = url_to_fs(url, **options)
@@ -82,6 +83,8 @@ def filesystem(url: str, storage_options: dict[str, Any]) -> AbstractFileSystem:
     except ValueError as exc:  # (no account, a malformed connection string)
         raise ConfigError(f"{url}: {exc}; give the account in {_ACCOUNT_HELP}") from exc
     fs.service_client._config.retry_policy.total_retries = 0  # (its pipeline's policy: every client of the fs)
+    scheme = url.partition("://")[0]
+    fs.protocol = (scheme, *(other for other in fs.protocol if other != scheme))  # (URLs it makes: the scheme given)
     return fs
 
 

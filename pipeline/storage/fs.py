@@ -22,11 +22,12 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ShardError
-from pipeline.storage import azure
+from pipeline.storage.azure import SCHEMES as AZURE_SCHEMES
+from pipeline.storage.azure import filesystem as adlfs_filesystem
 from pipeline.storage.local import read_regular
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
 
-__all__ = ["PIECE_BYTES", "filesystem", "is_local", "join", "read_range", "shard_url", "write_bytes"]
+__all__ = ["KEPT", "PIECE_BYTES", "filesystem", "is_local", "join", "read_range", "shard_url", "write_bytes"]
 
 def join(root: str, name: str) -> str:
     return posixpath.join(root.rstrip("/"), name)
@@ -48,12 +49,12 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     (s3fs's and adlfs's finalizers would wait for the parent's event loop; s3fs's then prints "attached
     to a different loop")."""
     options = dict(storage_options or {})
-    kept = _KEPT.get(url.partition("://")[0]) if "://" in url else None
+    kept = KEPT.get(url.partition("://")[0]) if "://" in url else None
     if kept is None:
         return url_to_fs(url, **options)
     prefix, make = kept
     env = sorted((name, value) for name, value in os.environ.items() if name.startswith(prefix))
-    key = (os.getpid(), prefix, json.dumps([options, env], sort_keys=True, default=repr))
+    key = (os.getpid(), url.partition("://")[0], json.dumps([options, env], sort_keys=True, default=repr))
     fs = _FILESYSTEMS.get(key)
     if fs is None:
         fs = _FILESYSTEMS.setdefault(key, make(url, options))
@@ -75,8 +76,8 @@ def _s3fs(url: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
 
 
 # scheme -> (the environment variables its library reads: their prefix, its filesystem's maker)
-_KEPT: dict[str, tuple[str, Callable[[str, dict[str, Any]], fsspec.AbstractFileSystem]]] = {
-    "s3": ("AWS_", _s3fs), "s3a": ("AWS_", _s3fs), **{scheme: ("AZURE", azure.filesystem) for scheme in azure.SCHEMES}}
+KEPT: dict[str, tuple[str, Callable[[str, dict[str, Any]], fsspec.AbstractFileSystem]]] = {
+    "s3": ("AWS_", _s3fs), "s3a": ("AWS_", _s3fs), **{scheme: ("AZURE", adlfs_filesystem) for scheme in AZURE_SCHEMES}}
 _FILESYSTEMS: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}  # by process and options, never dropped
 _SESSION: list[Any] = []  # the process's aiobotocore session
 
