@@ -135,7 +135,7 @@ def main() -> None:
         used = sum(e - s for p in shards.glob("*.tar") for s, e in _sample_spans(shards, p.name))
         samples = sum(1 for p in shards.glob("*.tar") for _ in _sample_spans(shards, p.name))
         shapes = {}
-        for name, run in ways(storage_options(proxy.endpoint)).items():
+        for name, run in ways(options_at(proxy.endpoint)).items():
             if name != "local":
                 proxy.clear()
                 run()

@@ -121,6 +121,24 @@ def test_cache_fetches_each_shard_once_then_serves_locally(remote, sa1b_dataset,
     assert [r.method for r in proxy.requests] == ["HEAD"], [(r.method, r.target) for r in proxy.requests]
 
 
+def test_first_batch_reads_the_manifest_its_shards_indexes_and_its_samples_only(remote, sa1b_dataset, proxy):
+    loader = make_stream_loader(remote, "train", batch_size=2, num_workers=0, read_ahead=0,
+                                storage_options=storage_options(proxy.endpoint), **SMALL)
+    batch = next(iter(loader))
+    where = {k: (shard, index, i) for shard, index in indexed(sa1b_dataset) for i, k in enumerate(index.key_list())}
+    touched = {where[k][0].name: where[k][0].index for k in batch["keys"]}
+    needed = sum(int(where[k][1].spans[where[k][2]][1] - where[k][1].spans[where[k][2]][0]) for k in batch["keys"])
+    gets = proxy.gets()
+    names = sorted(r.target.split("?")[0].rsplit("/", 1)[1] for r in gets)
+    tars = [n for n in names if n.endswith(".tar")]
+    assert sorted(set(tars)) == sorted(touched) and len(tars) <= len(batch["keys"]), tars
+    assert [n for n in names if not n.endswith(".tar")] == sorted(["manifest.json", *(i.name for i in touched.values())])
+    assert not [r for r in proxy.requests if r.method == "HEAD" and ".tar" in r.target], "sizes from the answers"
+    allowed = len(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes()) + sum(i.bytes for i in touched.values()) \
+        + 2.0 * needed + len(gets) * 1024  # (the default read_amplification)
+    assert sum(r.response_bytes for r in gets) < allowed
+
+
 def test_pack_to_az_with_the_environment_alone_is_byte_identical_to_local(sa1b_src, tmp_path, azurite,
                                                                           monkeypatch):
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(azurite.endpoint))

@@ -11,7 +11,7 @@ from typing import Any
 
 import fsspec
 
-from pipeline.errors import ManifestError, ShardError, ShardIndexError
+from pipeline.errors import ConfigError, ManifestError, ShardError, ShardIndexError
 from pipeline.format import MANIFEST_NAME, MAX_INDEX_BYTES, Manifest, ShardIndex, ShardInfo
 from pipeline.storage.cache import ShardCache
 from pipeline.storage.fs import filesystem, is_local, join, read_range
@@ -48,7 +48,7 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
             data = cache.small(f"manifest-{name}.json", None, fetch)
         else:
             data = fetch() if size else b""
-    except ManifestError:
+    except (ManifestError, ConfigError):  # (ConfigError: a scheme whose library is missing, no account given)
         raise
     except (FileNotFoundError, ShardError) as exc:
         if isinstance(exc, ShardError) and exc.__cause__ is None:  # (outside the folder, or not a regular file)
