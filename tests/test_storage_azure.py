@@ -20,6 +20,8 @@ from pipeline import make_stream_loader, storage
 from pipeline.errors import ConfigError, ManifestError, ShardError, about_sample
 from pipeline.format import Manifest
 from pipeline.storage import Retry, filesystem
+from pipeline.storage.azure import EMULATOR_KEY
+from pipeline.storage.azure import client as azure_client
 from pipeline.storage.ranged import ranged_reader
 from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, pack
@@ -132,7 +134,8 @@ def test_first_batch_reads_the_manifest_its_shards_indexes_and_its_samples_only(
     names = sorted(r.target.split("?")[0].rsplit("/", 1)[1] for r in gets)
     tars = [n for n in names if n.endswith(".tar")]
     assert sorted(set(tars)) == sorted(touched) and len(tars) <= len(batch["keys"]), tars
-    assert [n for n in names if not n.endswith(".tar")] == sorted(["manifest.json", *(i.name for i in touched.values())])
+    others = sorted(["manifest.json", *(i.name for i in touched.values())])
+    assert [n for n in names if not n.endswith(".tar")] == others
     assert not [r for r in proxy.requests if r.method == "HEAD" and ".tar" in r.target], "sizes from the answers"
     allowed = len(pathlib.Path(sa1b_dataset, "manifest.json").read_bytes()) + sum(i.bytes for i in touched.values()) \
         + 2.0 * needed + len(gets) * 1024  # (the default read_amplification)
@@ -364,3 +367,57 @@ def test_forked_loader_workers_each_read_through_their_own_lean_client(remote, s
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stderr.count(": lean client made in process") == 2 and "read through adlfs" not in run.stderr
     assert json.loads(run.stdout) == [b["keys"] for b in _epoch(sa1b_dataset, num_workers=2)]
+
+
+def test_abfs_urls_are_the_same_blobs_and_keep_their_scheme(remote, sa1b_dataset, azurite):
+    shard, _ = indexed(sa1b_dataset)[0]
+    url = remote.replace("az://", "abfs://", 1)
+    reader = ranged_reader(f"{url}/{shard.name}", storage_options(azurite.endpoint), FAST)
+    assert type(reader.client).__name__ == "AzureClient"
+    assert reader.read(0, 1000) == pathlib.Path(sa1b_dataset, shard.name).read_bytes()[:1000]
+    for scheme in ("az", "abfs"):
+        fs, path = filesystem(remote.replace("az://", f"{scheme}://", 1), storage_options(azurite.endpoint))
+        assert fs.unstrip_protocol(path) == remote.replace("az://", f"{scheme}://", 1), "URLs it names: as given"
+
+
+_ACCOUNT = {"account_name": "acct", "endpoint": "https://acct.blob.core.windows.net"}
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ({"connection_string": f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={EMULATOR_KEY};"
+                           "EndpointSuffix=core.windows.net"}, {**_ACCOUNT, "credential_type": "access_key"}),
+    ({"connection_string": f"AccountName=acct;AccountKey={EMULATOR_KEY}"},
+     {**_ACCOUNT, "credential_type": "access_key"}),
+    ({"connection_string": "AccountName=acct;SharedAccessSignature=sv=1&sig=x;BlobEndpoint=https://h.example/"},
+     {"account_name": "acct", "endpoint": "https://h.example", "credential_type": "sas_token",
+      "sas_key": "sv=1&sig=x"}),
+    ({"connection_string": "UseDevelopmentStorage=true"},
+     {"account_name": "devstoreaccount1", "endpoint": "http://127.0.0.1:10000/devstoreaccount1"}),
+    ({"account_name": "acct", "sas_token": "?sv=1&sig=x"}, {**_ACCOUNT, "sas_key": "sv=1&sig=x"}),
+    ({"account_name": "acct", "anon": True}, {**_ACCOUNT, "skip_signature": "true"}),
+    ({"account_name": "acct", "account_host": "acct.blob.core.chinacloudapi.cn", "account_key": EMULATOR_KEY},
+     {"endpoint": "https://acct.blob.core.chinacloudapi.cn", "credential_type": "access_key"}),
+], ids=["connection-string", "connection-string-defaults", "connection-string-sas", "development-storage", "sas",
+        "anonymous", "account-host"])
+def test_the_lean_client_reads_the_account_adlfs_would(options, expected, monkeypatch):
+    """Settings obstore would take from the environment (a token, an endpoint, the emulator) are given
+    it from adlfs's view: none of them can send the lean client elsewhere. (Nothing is contacted.)"""
+    for name, value in {"AZURE_STORAGE_TOKEN": "t", "AZURE_STORAGE_ENDPOINT": "http://127.0.0.1:9",
+                        "AZURE_STORAGE_USE_EMULATOR": "true"}.items():
+        monkeypatch.setenv(name, value)
+    made, key = azure_client("az://box/a/b.tar", options)
+    assert key == "a/b.tar" and made.store.config["use_emulator"] == "false"
+    assert {name: made.store.config.get(name) for name in expected} == expected
+
+
+@pytest.mark.parametrize(("options", "reason"), [
+    ({"account_name": "acct"}, "no key, SAS token or anonymous access"),
+    ({"account_name": "acct", "client_id": "i", "client_secret": "s", "tenant_id": "t"}, "a service principal"),
+    ({"account_name": "acct", "account_key": EMULATOR_KEY, "credential": "k"}, "a credential object"),
+    ({"connection_string": "BlobEndpoint=https://h.example;SharedAccessSignature=x"},
+     "a connection string without AccountName"),
+])
+def test_what_the_lean_client_cannot_read_as_adlfs_would_is_left_to_adlfs(options, reason, caplog):
+    caplog.set_level(logging.DEBUG, "pipeline.storage")
+    assert azure_client("az://box/a/b.tar", options) is None
+    assert f"read through adlfs, not the lean client: {reason}" in caplog.text
