@@ -20,9 +20,10 @@ from pipeline import make_stream_loader, storage
 from pipeline.errors import ConfigError, ManifestError, ShardError, about_sample
 from pipeline.format import Manifest
 from pipeline.storage import Retry, filesystem
-from pipeline.storage.azure import EMULATOR_KEY
+from pipeline.storage.azure import EMULATOR_KEY, AzureError
 from pipeline.storage.azure import client as azure_client
 from pipeline.storage.ranged import ranged_reader
+from pipeline.storage.retry import throttled, transient
 from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
@@ -230,15 +231,36 @@ def test_transient_faults_are_retried_without_loss(remote, sa1b_dataset, proxy, 
     assert proxy.served(mode) == 3
 
 
-@pytest.mark.parametrize(("mode", "cause"), [("slowdown", r"AzureError: 503 ServerBusy: Egress is over the account "
-                                                          r"limit\."),
-                                             ("error500", r"AzureError: 500 InternalError: The server encountered"),
-                                             ("reset", "ConnectionError")])
-def test_faults_past_the_bound_fail_naming_url_and_cause(remote, proxy, mode, cause):
+# Options for each ranged client: the lean one (obstore), and adlfs (an option the lean one does not honour).
+CLIENT_OPTIONS = {"lean": {}, "adlfs": {"timeout": 30}}
+CAUSES = {"slowdown": r"(AzureError: 503 ServerBusy: Egress is over the account limit\.|HttpResponseError: .*Egress)",
+          "error500": r"(AzureError: 500 InternalError: The server encountered|HttpResponseError: .*The server)",
+          "reset": r"(ConnectionError|ServiceRequestError|ServiceResponseError)"}
+
+
+@pytest.mark.parametrize("client", CLIENT_OPTIONS)
+@pytest.mark.parametrize("mode", CAUSES)
+def test_faults_past_the_bound_fail_naming_url_and_cause(remote, proxy, mode, client):
     proxy.fault(mode, count=1000, match=_is_shard_read)
-    with pytest.raises(ShardError, match=rf"{remote}/train-\d+\.tar: sample .*after 4 tries: {cause}"):
-        _epoch(remote, storage_options=storage_options(proxy.endpoint), retry=FAST, read_ahead=0, batch_size=1)
-    assert proxy.served(mode) == 4, "exactly `attempts` tries: the clients' own retries are off"
+    with pytest.raises(ShardError, match=rf"{remote}/train-\d+\.tar: sample .*after 4 tries: {CAUSES[mode]}"):
+        _epoch(remote, storage_options=storage_options(proxy.endpoint, **CLIENT_OPTIONS[client]), retry=FAST,
+               read_ahead=0, batch_size=1)
+    assert _user_agents(proxy) == {"object_store" if client == "lean" else "adlfs"}
+    if client == "adlfs" and mode == "reset":  # aiohttp repeats an idempotent request once when the connection drops
+        assert proxy.served(mode) == 2 * 4
+    else:
+        assert proxy.served(mode) == 4, "exactly `attempts` tries: the clients' own retries are off"
+
+
+def test_a_cut_long_read_resumes_from_the_piece_reached(remote, sa1b_dataset, proxy, monkeypatch):
+    monkeypatch.setattr(storage.fs, "PIECE_BYTES", 4096)
+    shard, _ = indexed(sa1b_dataset)[0]
+    reader = ranged_reader(f"{remote}/{shard.name}", storage_options(proxy.endpoint), FAST)
+    nth = iter(range(100))
+    proxy.fault("cut", count=1, after_bytes=1000, match=lambda r: next(nth) == 2)  # the third piece
+    assert reader.read(0, shard.bytes) == pathlib.Path(sa1b_dataset, shard.name).read_bytes()
+    pieces = [f"bytes={i}-{min(i + 4096, shard.bytes) - 1}" for i in range(0, shard.bytes, 4096)]
+    assert [_range(r) for r in proxy.gets()] == pieces[:3] + pieces[2:]  # only the cut piece is asked for twice
 
 
 def test_stall_past_the_read_timeout_is_retried(remote, sa1b_dataset, proxy):
@@ -421,3 +443,25 @@ def test_what_the_lean_client_cannot_read_as_adlfs_would_is_left_to_adlfs(option
     caplog.set_level(logging.DEBUG, "pipeline.storage")
     assert azure_client("az://box/a/b.tar", options) is None
     assert f"read through adlfs, not the lean client: {reason}" in caplog.text
+
+
+def _azure_core_error(name: str, status: int | None) -> Exception:
+    import azure.core.exceptions
+
+    error = getattr(azure.core.exceptions, name)("message")
+    error.status_code = status  # (as an answer's status sets it)
+    return error
+
+
+@pytest.mark.parametrize(("error", "is_transient", "is_throttled"), [
+    (lambda: _azure_core_error("HttpResponseError", 503), True, True),  # ServerBusy, through adlfs
+    (lambda: _azure_core_error("HttpResponseError", 500), True, False),
+    (lambda: _azure_core_error("ServiceRequestError", None), True, False),  # no connection, a reset
+    (lambda: _azure_core_error("ServiceResponseError", None), True, False),
+    (lambda: _azure_core_error("ClientAuthenticationError", 403), False, False),
+    (lambda: _azure_core_error("ResourceNotFoundError", 404), False, False),
+    (lambda: AzureError(503, "ServerBusy", "Egress is over the account limit."), True, True),  # the lean client's
+    (lambda: AzureError(416, "InvalidRange", "The range specified is invalid"), False, False),
+], ids=["adlfs-503", "adlfs-500", "adlfs-request", "adlfs-response", "adlfs-403", "adlfs-404", "lean-503", "lean-416"])
+def test_azure_failures_are_classified_for_retry(error, is_transient, is_throttled):
+    assert (transient(error()), throttled(error())) == (is_transient, is_throttled)
