@@ -189,10 +189,19 @@ def test_a_missing_adlfs_is_a_clear_error_not_a_traceback(remote, monkeypatch, c
     assert "pip install 'shardstream[azure]'" in caplog.text
 
 
+def _told(given: str, azurite: Azurite, monkeypatch) -> list[str]:
+    """The account for `shard-pack`: its `--storage-options`, or the environment alone (no flag)."""
+    if given == "environment":
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(azurite.endpoint))
+        return []
+    return ["--storage-options", json.dumps(storage_options(azurite.endpoint))]
+
+
+@pytest.mark.parametrize("given", ["options", "environment"])
 def test_cli_reads_az_with_the_options_given_or_the_environment(remote, azurite, sa1b_dataset, tmp_path, capsys,
-                                                                monkeypatch):
-    options = ["--storage-options", json.dumps(storage_options(azurite.endpoint))]
+                                                                monkeypatch, given):
     assert main(["inspect", remote]) == 2, "no account in the options or the environment"
+    options = _told(given, azurite, monkeypatch)
     capsys.readouterr()
     assert main(["inspect", remote, *options]) == 0
     assert "split train:" in capsys.readouterr().out
@@ -202,17 +211,16 @@ def test_cli_reads_az_with_the_options_given_or_the_environment(remote, azurite,
     assert main([*argv, "--out", str(tmp_path / "az.png"), *options]) == 0
     assert main(["preview", sa1b_dataset, *argv[2:], "--out", str(tmp_path / "local.png")]) == 0
     assert (tmp_path / "az.png").read_bytes() == (tmp_path / "local.png").read_bytes()
-    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(azurite.endpoint))
     capsys.readouterr()
-    assert main(["-q", "verify", remote]) == 0
     assert main(["-q", "tune", remote, "--split", "train", "--batch-size", "2", "--workers", "0", "--batches", "2",
-                 "--warmup", "1", *SMALL_FLAGS]) == 0, "the measuring process reads az:// from the environment too"
+                 "--warmup", "1", *SMALL_FLAGS, *options]) == 0, "the measuring process reads az:// too"
     assert "recommended: num_workers=0" in capsys.readouterr().out
 
 
-def test_index_archives_on_az_into_az_with_the_options_given(azurite, sa1b_src, capsys):
+@pytest.mark.parametrize("given", ["options", "environment"])
+def test_index_archives_on_az_into_az(azurite, sa1b_src, capsys, monkeypatch, given):
     url = _upload(azurite, sa1b_src)
-    options = ["--storage-options", json.dumps(storage_options(azurite.endpoint))]
+    options = _told(given, azurite, monkeypatch)
     assert main(["-q", "index", "sa1b", url, f"{url}-index", "--workers", "2", *options]) == 0
     said = capsys.readouterr().out
     assert "indexed" in said and f"--allow-root {url}" in said
