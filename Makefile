@@ -8,12 +8,14 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-peers bench-s3 bench-vqa bench-embeddings bench-index bench-resume fuzz clean
+.PHONY: demo test bench bench-peers bench-s3 bench-az bench-vqa bench-embeddings bench-index bench-resume fuzz clean
 
-$(STAMP): pyproject.toml Makefile
+# Azurite, the Azure Storage emulator the az:// tests run on 127.0.0.1, goes into the checkout (npm ci; node >= 18).
+$(STAMP): pyproject.toml Makefile emulators/azurite/package-lock.json
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check '$(TORCH)'
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	npm ci --prefix emulators/azurite --no-audit --no-fund --loglevel=error
 	touch $@
 
 demo: $(STAMP)
@@ -40,6 +42,10 @@ bench-peers: $(STAMP)
 # The SA-1B task from a local S3-compatible server (SeaweedFS on 127.0.0.1) vs local disk.
 bench-s3: $(STAMP)
 	$(BIN)/python bench/s3_loader.py
+
+# The same from Azure Blob Storage's emulator (Azurite on 127.0.0.1) vs local disk.
+bench-az: $(STAMP)
+	$(BIN)/python bench/s3_loader.py --scheme az
 
 bench-vqa: $(STAMP)
 	$(BIN)/python bench/vqa_loader.py

@@ -241,8 +241,8 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- main -----------------------------------------------------------------------------------------
 
-# Loggers whose INFO lines are noise here: where credentials came from; Dask's workers.
-_QUIET = {"botocore", "aiobotocore", "s3fs", "fsspec", "distributed"}
+# Loggers whose INFO lines are noise here: where credentials came from; azure-core's every request; Dask's workers.
+_QUIET = {"botocore", "aiobotocore", "s3fs", "fsspec", "distributed", "azure", "adlfs"}
 
 
 def _libraries_quiet(record: logging.LogRecord) -> bool:
@@ -274,6 +274,16 @@ def _botocore_errors() -> tuple[type[BaseException], ...]:
     return BotoCoreError, ClientError
 
 
+def _azure_errors() -> tuple[type[BaseException], ...]:
+    """azure-core's errors (refused credentials, an endpoint it cannot reach), which adlfs lets through
+    where it reads or writes. None without the azure extra."""
+    try:
+        from azure.core.exceptions import AzureError
+    except ImportError:
+        return ()
+    return (AzureError,)
+
+
 # What each error means to the caller (the module's docstring): the first entry whose classes match
 # gives the exit code and the line logged. An error none matches is a bug: it ends in a traceback.
 EXITS: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], int, Callable[[BaseException], str]], ...] = (
@@ -284,6 +294,9 @@ EXITS: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], int, C
     (OSError, 3, lambda exc: f"{exc}{_KEPT}"),
     (_botocore_errors(), 2, lambda exc: f"object storage: {type(exc).__name__}: {exc} (its credentials and endpoint: "
                                         "--storage-options, or the environment's AWS_*)"),
+    (_azure_errors(), 2, lambda exc: f"object storage: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]} "
+                                     "(its account and credentials: --storage-options, or the environment's "
+                                     "AZURE_STORAGE_*)"),
     (KeyboardInterrupt, 130, lambda exc: str(exc) or "interrupted"),  # Interrupted (pack, index) says how far they got
 )
 

@@ -13,6 +13,7 @@ from typing import Any
 from pipeline.errors import PackError
 from pipeline.format import MANIFEST_NAME
 from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
+from pipeline.storage.retry import http_status
 
 __all__ = ["STATE_DIR", "exists", "holds_more_than_state", "remove_debris", "start", "unstart"]
 
@@ -47,7 +48,7 @@ def start(fs: Any, base: str, out: str, fingerprint: str) -> list[str] | None:
         write_bytes(fs, stamp, fingerprint.encode())
     except BaseException as exc:
         unstart(fs, base, made)
-        if isinstance(exc, (FileNotFoundError, PermissionError)):
+        if isinstance(exc, (FileNotFoundError, PermissionError)) or http_status(exc) in (401, 403, 404):  # (adlfs)
             raise PackError(f"cannot write to {out}: {type(exc).__name__}: {exc} (does the bucket exist? are the "
                             "credentials allowed to write?)") from exc
         raise

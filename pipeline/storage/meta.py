@@ -11,12 +11,12 @@ from typing import Any
 
 import fsspec
 
-from pipeline.errors import ManifestError, ShardError, ShardIndexError
+from pipeline.errors import ConfigError, ManifestError, ShardError, ShardIndexError
 from pipeline.format import MANIFEST_NAME, MAX_INDEX_BYTES, Manifest, ShardIndex, ShardInfo
 from pipeline.storage.cache import ShardCache
 from pipeline.storage.fs import filesystem, is_local, join, read_range
 from pipeline.storage.places import Places
-from pipeline.storage.retry import Retry, describe, with_retries
+from pipeline.storage.retry import Retry, describe, http_status, with_retries
 
 __all__ = ["MAX_MANIFEST_BYTES", "read_index", "read_manifest", "shard_indexes"]
 
@@ -48,7 +48,7 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
             data = cache.small(f"manifest-{name}.json", None, fetch)
         else:
             data = fetch() if size else b""
-    except ManifestError:
+    except (ManifestError, ConfigError):  # (ConfigError: a scheme whose library is missing, no account given)
         raise
     except (FileNotFoundError, ShardError) as exc:
         if isinstance(exc, ShardError) and exc.__cause__ is None:  # (outside the folder, or not a regular file)
@@ -57,10 +57,10 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None, retr
             raise ManifestError("no manifest: is this a folder written by `shard-pack`? (or the bucket does "
                                 "not exist)", url=url) from exc
         raise ManifestError(f"cannot read manifest: {exc.message}", url=url) from exc
-    except PermissionError as exc:
-        raise ManifestError(f"access denied: check the credentials in storage_options ({describe(exc)})",
-                            url=url) from exc
     except Exception as exc:
+        if isinstance(exc, PermissionError) or http_status(exc) in (401, 403):  # (adlfs: azure-core's error as it is)
+            raise ManifestError(f"access denied: check the credentials in storage_options ({describe(exc)})",
+                                url=url) from exc
         raise ManifestError(f"cannot read manifest: {describe(exc)}", url=url) from exc
     manifest = Manifest.from_json(data, url)
     if manifest.version < 3:

@@ -23,7 +23,7 @@ __all__ = ["Retry", "Tries", "Truncated", "describe", "http_status", "throttled"
 
 log = logging.getLogger("pipeline.storage")
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
-_TRANSPORT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http")
+_TRANSPORT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http", "azure")
 # S3 error codes of answers that may succeed if tried again, whatever their status (botocore's list,
 # less those of other services): throttling, and the server's own timeout of a slow request.
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "RequestLimitExceeded",
@@ -101,9 +101,10 @@ def throttled(exc: BaseException) -> bool:
 
 
 def http_status(exc: BaseException) -> int | None:
-    """The HTTP status of a failed request: its `status` (aiohttp, http, `s3.S3Error`), or the one
-    obstore's message states; None where no answer came."""
+    """The HTTP status of a failed request: its `status` (aiohttp, http, `s3.S3Error`) or `status_code`
+    (azure-core, under adlfs), or the one obstore's message states; None where no answer came."""
     status = getattr(exc, "status", None)
+    status = status if isinstance(status, int) else getattr(exc, "status_code", None)
     if isinstance(status, int):
         return status
     if type(exc).__module__.split(".")[0] == "obstore":
