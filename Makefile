@@ -10,18 +10,23 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench bench-peers bench-s3 bench-az bench-vqa bench-embeddings bench-index bench-resume fuzz clean
 
-# Azurite, the Azure Storage emulator the az:// tests run on 127.0.0.1, goes into the checkout (npm ci; node >= 18).
-$(STAMP): pyproject.toml Makefile emulators/azurite/package-lock.json
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check '$(TORCH)'
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+# Azurite, the Azure Storage emulator the az:// tests and bench run on 127.0.0.1, goes into the checkout
+# (npm ci; node >= 18): only for those, not for the demo.
+AZURITE := emulators/azurite/node_modules/.installed
+$(AZURITE): emulators/azurite/package-lock.json
 	npm ci --prefix emulators/azurite --no-audit --no-fund --loglevel=error
 	touch $@
 
 demo: $(STAMP)
 	$(BIN)/python -m shard_tools.samples.demo
 
-test: $(STAMP)
+test: $(STAMP) $(AZURITE)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
@@ -44,7 +49,7 @@ bench-s3: $(STAMP)
 	$(BIN)/python bench/s3_loader.py
 
 # The same from Azure Blob Storage's emulator (Azurite on 127.0.0.1) vs local disk.
-bench-az: $(STAMP)
+bench-az: $(STAMP) $(AZURITE)
 	$(BIN)/python bench/s3_loader.py --scheme az
 
 bench-vqa: $(STAMP)
