@@ -19,12 +19,12 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from pipeline.storage.retry import Truncated
 
-__all__ = ["S3Client", "S3Error", "client"]
+__all__ = ["Declined", "S3Client", "S3Error", "client", "made_once", "translated"]
 
 log = logging.getLogger("pipeline.storage")
 STREAM_CHUNK = 1 << 20  # a streamed download's bytes are handed over (and shown to readers) this many at a time
@@ -61,6 +61,8 @@ class S3Client:
     answer says the object's size (`seen_size`): readers check it against the manifest's without
     asking for it apart (a HEAD per shard and process, half the requests of a cold cache's epoch)."""
 
+    scheme, error = "s3", S3Error  # (another service's lean client: its scheme, and the class of its error answers)
+
     def __init__(self, store: Any, bucket: str) -> None:
         self.store, self.bucket, self.pid = store, bucket, os.getpid()
         self.sizes: dict[str, int] = {}  # object key -> its size, as the last answer about it said
@@ -75,9 +77,9 @@ class S3Client:
             size = self.sizes[path] = int(result.meta["size"])  # (from the answer's Content-Range: no HEAD needed)
             data = result.bytes()
         except Exception as exc:
-            _raise(exc, f"s3://{self.bucket}/{path}")
+            self._raise(exc, path)
         if size < end:  # (not worth trying again)
-            raise S3Error(416, "InvalidRange", f"the object is {size} bytes, ending before byte {end}")
+            raise self.error(416, "InvalidRange", f"the object is {size} bytes, ending before byte {end}")
         return data
 
     def seen_size(self, path: str) -> int | None:
@@ -93,14 +95,14 @@ class S3Client:
             result = obstore.get(self.store, path, options={"range": (start, end)})
             size = self.sizes[path] = int(result.meta["size"])
         except Exception as exc:
-            _raise(exc, f"s3://{self.bucket}/{path}")
+            self._raise(exc, path)
         if size < end:
-            raise S3Error(416, "InvalidRange", f"the object is {size} bytes, ending before byte {end}")
+            raise self.error(416, "InvalidRange", f"the object is {size} bytes, ending before byte {end}")
         try:
             for piece in result.stream(min_chunk_size=STREAM_CHUNK):
                 yield memoryview(piece)
         except Exception as exc:
-            _raise(exc, f"s3://{self.bucket}/{path}")
+            self._raise(exc, path)
 
     def size(self, path: str) -> int:
         import obstore
@@ -110,7 +112,13 @@ class S3Client:
             size = self.sizes[path] = int(obstore.head(self.store, path)["size"])
             return size
         except Exception as exc:
-            _raise(exc, f"s3://{self.bucket}/{path}")
+            self._raise(exc, path)
+
+    def _raise(self, exc: Exception, path: str) -> NoReturn:
+        error = translated(exc, f"{self.scheme}://{self.bucket}/{path}", self.error)
+        if error is exc:
+            raise exc
+        raise error from exc
 
     def _check(self) -> None:
         if self.pid != os.getpid():  # (it would wait forever on the parent's runtime)
@@ -123,37 +131,52 @@ def client(url: str, storage_options: dict[str, Any] | None) -> tuple[S3Client, 
     options and AWS_* environment; None where it cannot read as s3fs would (the reason logged at
     DEBUG): then s3fs reads."""
     bucket, _, key = url.partition("://")[2].partition("/")
+    return made_once(url, storage_options, ("AWS_", "s3fs"), _unusable(bucket, key),
+                     lambda options: S3Client(_store(bucket, options), bucket))
+
+
+def made_once(url: str, storage_options: dict[str, Any] | None, env_and_fallback: tuple[str | tuple[str, ...], str],
+              reason: str | None, make: Callable[[dict[str, Any]], S3Client]) -> tuple[S3Client, str] | None:
+    """A scheme's lean client of the URL's bucket (or container) and the object's key in it: `make(options)`,
+    called once per process, bucket, options and environment (the variables whose names start with the
+    prefix, which the scheme's libraries read). None where `reason` says why the lean client cannot
+    serve, `make` declines (`Declined`), or obstore cannot run in this process: then the fallback
+    (fsspec's filesystem, named in the logs) reads."""
+    prefix, fallback = env_and_fallback
+    bucket, _, key = url.partition("://")[2].partition("/")
+    where = f"{url.partition('://')[0]}://{bucket}"
     options = dict(storage_options or {})
-    aws = sorted((name, value) for name, value in os.environ.items() if name.startswith("AWS_"))
-    cache_key = (os.getpid(), bucket, json.dumps([options, aws], sort_keys=True, default=repr))
-    reason = _unusable(bucket, key)
+    env = sorted((name, value) for name, value in os.environ.items() if name.startswith(prefix))
+    cache_key = (os.getpid(), where, json.dumps([options, env], sort_keys=True, default=repr))
+    reason = reason or _runtime_refusal(where, fallback)
     found = _CLIENTS.get(cache_key)
     if reason is None and found is None:
         try:
             with _LOCK:
                 found = _CLIENTS.get(cache_key)
                 if found is None:
-                    found = _CLIENTS[cache_key] = S3Client(_store(bucket, options), bucket)
-                    log.debug("s3://%s: lean client made in process %d", bucket, os.getpid())
-        except _Declined as exc:
+                    found = _CLIENTS[cache_key] = make(options)
+                    _RUNTIME[:] = _RUNTIME or [os.getpid()]
+                    log.debug("%s: lean client made in process %d", where, os.getpid())
+        except Declined as exc:
             reason = str(exc)
         except Exception as exc:  # (credentials botocore cannot get, a CA bundle obstore cannot parse: s3fs says)
             reason = f"{type(exc).__name__}: {exc}"
-            log.warning("%s: cannot make the lean client (%s); reading through s3fs", url, reason)
+            log.warning("%s: cannot make the lean client (%s); reading through %s", url, reason, fallback)
     if reason is not None or found is None:
-        log.debug("%s: read through s3fs, not the lean client: %s", url, reason)
+        log.debug("%s: read through %s, not the lean client: %s", url, fallback, reason)
         return None
     return found, key
 
 
-_CLIENTS: dict[tuple[int, str, str], S3Client] = {}  # by process, bucket, options and AWS_* environment
+_CLIENTS: dict[tuple[int, str, str], S3Client] = {}  # by process, bucket, options and environment
 _LOCK = threading.Lock()
 _RUNTIME: list[int] = []  # the process that first made a store in this memory image (obstore's runtime there),
 # then a forked process that was told it cannot use it
 
 
-class _Declined(Exception):
-    """Options or an environment the lean client cannot honour (the message says which)."""
+class Declined(Exception):
+    """Options or an environment a lean client cannot honour (the message says which)."""
 
 
 def _unusable(bucket: str, key: str) -> str | None:
@@ -161,13 +184,6 @@ def _unusable(bucket: str, key: str) -> str | None:
         import obstore  # noqa: F401
     except ImportError:
         return "obstore is not installed (pip install 'shardstream[s3]')"
-    if _RUNTIME and _RUNTIME[0] != os.getpid():
-        reason = (f"obstore ran in process {_RUNTIME[0]} before it forked this one, and cannot run here (use the "
-                  "'spawn' or 'forkserver' multiprocessing context, or read no shard from s3 before forking workers)")
-        if _RUNTIME[-1] != os.getpid():  # (said once per process)
-            _RUNTIME.append(os.getpid())
-            log.warning("s3://%s: read through s3fs (~5x the CPU per request): %s", bucket, reason)
-        return reason
     if not bucket or bucket.endswith("--x-s3"):
         return f"bucket {bucket!r} (S3 Express or none)"
     if not _SAFE_KEY.fullmatch(key) or "//" in key:
@@ -175,9 +191,22 @@ def _unusable(bucket: str, key: str) -> str | None:
     return None
 
 
+def _runtime_refusal(where: str, fallback: str) -> str | None:
+    """Why obstore cannot run in this process (forked after it ran in its parent), said once per process; else None."""
+    if _RUNTIME and _RUNTIME[0] != os.getpid():
+        reason = (f"obstore ran in process {_RUNTIME[0]} before it forked this one, and cannot run here (use the "
+                  "'spawn' or 'forkserver' multiprocessing context, or read no shard from object storage before "
+                  "forking workers)")
+        if _RUNTIME[-1] != os.getpid():  # (said once per process)
+            _RUNTIME.append(os.getpid())
+            log.warning("%s: read through %s (~5x the CPU per request): %s", where, fallback, reason)
+        return reason
+    return None
+
+
 def _store(bucket: str, options: dict[str, Any]) -> Any:
     """An obstore S3Store for the bucket, configured from s3fs's options and botocore's view of the
-    AWS_* environment and config files; raises _Declined for what it cannot honour."""
+    AWS_* environment and config files; raises Declined for what it cannot honour."""
     from obstore.store import S3Store
 
     client_kwargs, config_kwargs = dict(options.get("client_kwargs") or {}), dict(options.get("config_kwargs") or {})
@@ -188,14 +217,13 @@ def _store(bucket: str, options: dict[str, Any]) -> Any:
     config = {"bucket": bucket, "request_payer": bool(options.get("requester_pays")), "skip_signature": False,
               "s3_express": False, **where, **signing}
     client_options = _client_options(where["endpoint"], client_kwargs, config_kwargs, session)
-    _RUNTIME[:] = _RUNTIME or [os.getpid()]
     no_retries = {"max_retries": 0}  # (retry.Retry is the one retry layer)
     return S3Store(config=config, client_options=client_options, retry_config=no_retries,  # type: ignore[arg-type]
                    credential_provider=provider)
 
 
 def _refuse_unknown(options: dict[str, Any], client_kwargs: dict[str, Any], config_kwargs: dict[str, Any]) -> None:
-    """_Declined for an s3fs option, client or config keyword the lean client does not honour."""
+    """Declined for an s3fs option, client or config keyword the lean client does not honour."""
     unknown = sorted(set(options) - _NO_EFFECT - {"key", "secret", "token", "username", "password", "anon",
                                                   "endpoint_url", "client_kwargs", "config_kwargs", "profile",
                                                   "requester_pays", "use_ssl"})
@@ -204,39 +232,39 @@ def _refuse_unknown(options: dict[str, Any], client_kwargs: dict[str, Any], conf
     s3_config = dict(config_kwargs.get("s3") or {})
     unknown += [f"config_kwargs['s3'][{k!r}]" for k in sorted(set(s3_config) - {"addressing_style"})]
     if unknown:
-        raise _Declined(f"options {', '.join(unknown)}")
+        raise Declined(f"options {', '.join(unknown)}")
 
 
 def _where(bucket: str, options: dict[str, Any], client_kwargs: dict[str, Any], config_kwargs: dict[str, Any],
            session: Any) -> dict[str, Any]:
-    """The store's endpoint, region and addressing, as botocore would pick them (_Declined where the
+    """The store's endpoint, region and addressing, as botocore would pick them (Declined where the
     lean client would not reach the same place)."""
     scoped = session.get_scoped_config()
     for name in ("use_fips_endpoint", "use_dualstack_endpoint"):
         if session.get_config_variable(name) not in (None, False, "false"):
-            raise _Declined(f"botocore setting {name!r} (AWS_* environment or config file)")
+            raise Declined(f"botocore setting {name!r} (AWS_* environment or config file)")
     for name in sorted(set(scoped.get("s3") or {}) - {"addressing_style"}):
-        raise _Declined(f"config file setting s3.{name}")
+        raise Declined(f"config file setting s3.{name}")
     if os.environ.get("AWS_SSE_CUSTOMER_KEY_BASE64"):
-        raise _Declined("AWS_SSE_CUSTOMER_KEY_BASE64 (obstore would send it, botocore does not)")
+        raise Declined("AWS_SSE_CUSTOMER_KEY_BASE64 (obstore would send it, botocore does not)")
     endpoint = _one(options, client_kwargs, "endpoint_url", "endpoint_url")
     if endpoint is None and not session.get_config_variable("ignore_configured_endpoint_urls"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint is None and ("endpoint_url" in scoped or "services" in scoped):
-            raise _Declined("an endpoint set in the AWS config file")
+            raise Declined("an endpoint set in the AWS config file")
     region = client_kwargs.get("region_name") or config_kwargs.get("region_name") or \
         session.get_config_variable("region")
     styles = [(settings.get("s3") or {}).get("addressing_style") for settings in (config_kwargs, scoped)]
     style = next((s for s in styles if s), "auto")
     if endpoint is not None:
         if style == "virtual":
-            raise _Declined("virtual-hosted addressing on a custom endpoint")
+            raise Declined("virtual-hosted addressing on a custom endpoint")
         return {"endpoint": endpoint.rstrip("/"), "region": region or "us-east-1",
                 "virtual_hosted_style_request": False}
     if region is None:
-        raise _Declined("no region (s3fs follows the bucket's redirect)")
+        raise Declined("no region (s3fs follows the bucket's redirect)")
     if options.get("use_ssl") is False or client_kwargs.get("use_ssl") is False:
-        raise _Declined("use_ssl=False")
+        raise Declined("use_ssl=False")
     virtual = style != "path" and re.fullmatch(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]", bucket) is not None
     host = f"{bucket}.s3.{region}.amazonaws.com" if virtual else f"s3.{region}.amazonaws.com"
     return {"endpoint": f"https://{host}", "region": region, "virtual_hosted_style_request": virtual}
@@ -253,15 +281,15 @@ def _credentials(options: dict[str, Any], client_kwargs: dict[str, Any], config_
     if options.get("anon") or type(signature).__name__ == "UNSIGNED":  # (botocore.UNSIGNED)
         return {"skip_signature": True}, None
     if signature not in (None, "s3v4", "v4"):
-        raise _Declined(f"signature_version {signature!r}")
+        raise Declined(f"signature_version {signature!r}")
     if key is not None or secret is not None:
         if key is None or secret is None:
-            raise _Declined("a key without a secret, or a secret without a key")
+            raise Declined("a key without a secret, or a secret without a key")
         return {"access_key_id": key, "secret_access_key": secret,
                 **({"session_token": token} if token is not None else {})}, None
     credentials = session.get_credentials()
     if credentials is None:
-        raise _Declined("no credentials found by botocore")
+        raise Declined("no credentials found by botocore")
     return {}, _Credentials(credentials)
 
 
@@ -281,7 +309,7 @@ def _client_options(endpoint: str, client_kwargs: dict[str, Any], config_kwargs:
             with open(verify, "rb") as f:  # (added to the system's roots; botocore trusts the bundle alone)
                 found["root_certificate"] = f.read()
         except OSError as exc:
-            raise _Declined(f"CA bundle {verify!r}: {exc}") from exc
+            raise Declined(f"CA bundle {verify!r}: {exc}") from exc
     return found
 
 
@@ -289,7 +317,7 @@ def _one(options: dict[str, Any], client_kwargs: dict[str, Any], name: str, boto
     """An s3fs option given at the top or in client_kwargs (botocore's name); both, different: declined."""
     top, inner = options.get(name), client_kwargs.get(boto_name)
     if top is not None and inner is not None and top != inner:
-        raise _Declined(f"{name!r} and client_kwargs[{boto_name!r}] differ")
+        raise Declined(f"{name!r} and client_kwargs[{boto_name!r}] differ")
     return top if top is not None else inner
 
 
@@ -303,7 +331,7 @@ def _session(profile: str | None) -> Any:
         session = botocore.session.Session(profile=profile)
         session.get_scoped_config()
     except botocore.exceptions.BotoCoreError as exc:
-        raise _Declined(f"botocore: {exc}") from exc
+        raise Declined(f"botocore: {exc}") from exc
     return session
 
 
@@ -322,29 +350,23 @@ class _Credentials:
                 "expires_at": None if expiry is None else (expiry - _EARLY).astimezone(datetime.timezone.utc)}
 
 
-def _raise(exc: Exception, url: str) -> NoReturn:
-    translated = _translate(exc, url)
-    if translated is exc:
-        raise exc
-    raise translated from exc
-
-
-def _translate(exc: Exception, url: str) -> Exception:
+def translated(exc: Exception, url: str, error: type[S3Error] = S3Error) -> Exception:
     """obstore's error as what `retry.transient` and the reader's messages understand: a missing object
-    as FileNotFoundError, refused credentials as PermissionError, other answers as S3Error (status,
-    code), a timeout as TimeoutError, other transport failures as ConnectionError; one line each."""
+    as FileNotFoundError, refused credentials as PermissionError, other answers as `error` (status,
+    code: S3's, or another service's answers of the same XML shape), a timeout as TimeoutError, other
+    transport failures as ConnectionError; one line each."""
     if isinstance(exc, FileNotFoundError):
         return FileNotFoundError(f"{url}: no such object")
-    text = str(exc).split("\n\nDebug source:")[0].removeprefix("Generic S3 error: ")
+    text = re.sub(r"^Generic \w+ error: ", "", str(exc).split("\n\nDebug source:")[0])
     status = re.search(r"status code: (\d{3})(?: ([^:]*))?", text)
     code = re.search(r"<Code>(.*?)</Code>", text)
     message = re.search(r"<Message>(.*?)</Message>", text)
     if status is not None:
-        error = S3Error(int(status.group(1)), code.group(1) if code else None,
-                        message.group(1) if message else (status.group(2) or "").strip() or text)
-        if error.status in (401, 403) or error.code in _CREDENTIAL_CODES:
-            return PermissionError(str(error))
-        return error
+        answer = error(int(status.group(1)), code.group(1) if code else None,
+                       message.group(1) if message else (status.group(2) or "").strip() or text)
+        if answer.status in (401, 403) or answer.code in _CREDENTIAL_CODES:
+            return PermissionError(str(answer))
+        return answer
     if type(exc).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
         return PermissionError(text)
     if type(exc).__name__ != "GenericError" or "HTTP error" not in text:
