@@ -2,8 +2,8 @@
 and the generic ranged read and atomic small write over them.
 
 For `s3://`, botocore's and s3fs's own retry loops are turned off (they multiply: 5 x 5 tries by
-default) unless the caller sets them, so `Retry` alone decides how often a request is tried, and a
-long range read resumes from the last whole piece it reached."""
+default) unless the caller sets them, and for `gs://` gcsfs's (6 tries), so `Retry` alone decides
+how often a request is tried, and a long range read resumes from the last whole piece it reached."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import os
 import posixpath
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -20,6 +21,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ShardError
+from pipeline.storage import gcs
 from pipeline.storage.local import read_regular
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
 
@@ -36,35 +38,46 @@ def shard_url(root: str, name: str) -> str:
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and path of a URL, with s3fs's and botocore's retries off unless the options set
+    """The filesystem and path of a URL, with the storage library's own retries off unless the options set
     them (`Retry` is the one retry layer). Call it in the process that reads: filesystems are not fork-safe.
 
-    An s3 filesystem is made once per process, options and AWS_* environment (what botocore reads)
-    and kept, its listings cache off so that nothing it answers goes stale: its client costs
-    ~0.1-0.2 s to make, and one inherited by a forked worker must never be collected there (s3fs's
-    finalizer would wait a second for the parent's event loop, then print "attached to a different
-    loop")."""
+    An s3 or gs filesystem is made once per process, options and environment (what botocore, or gcsfs
+    and google-auth, read) and kept, its listings cache off so that nothing it answers goes stale: its
+    client costs ~0.1-0.2 s to make, and one inherited by a forked worker must never be collected there
+    (s3fs's finalizer would wait a second for the parent's event loop, then print "attached to a
+    different loop")."""
     options = dict(storage_options or {})
-    if not url.startswith(("s3://", "s3a://")):
+    kept = _KEPT.get(url.partition("://")[0]) if "://" in url else None
+    if kept is None:
         return url_to_fs(url, **options)
-    aws = sorted((name, value) for name, value in os.environ.items() if name.startswith("AWS_"))
-    key = (os.getpid(), json.dumps([options, aws], sort_keys=True, default=repr))
+    prefix, make = kept
+    env = sorted((name, value) for name, value in os.environ.items() if name.startswith(prefix))
+    key = (os.getpid(), prefix, json.dumps([options, env], sort_keys=True, default=repr))
     fs = _FILESYSTEMS.get(key)
     if fs is None:
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("retries", {"total_max_attempts": 1})
-        options["config_kwargs"] = config
-        options.setdefault("skip_instance_cache", True)  # our instance: its `retries` below is ours to set
-        options.setdefault("use_listings_cache", False)
-        options.setdefault("session", _botocore_session())
-        fs, _ = url_to_fs(url, **options)
-        if "retries" not in options:
-            fs.retries = 1  # s3fs's own loop: one try
-        fs = _FILESYSTEMS.setdefault(key, fs)
+        fs = _FILESYSTEMS.setdefault(key, make(url, options))
     return fs, fs._strip_protocol(url)
 
 
-_FILESYSTEMS: dict[tuple[int, str], fsspec.AbstractFileSystem] = {}  # s3: by process and options, never dropped
+def _s3fs(url: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+    """s3fs's filesystem with its own and botocore's retries off, unless the options set them."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    options = {**options, "config_kwargs": config}
+    options.setdefault("skip_instance_cache", True)  # our instance: its `retries` below is ours to set
+    options.setdefault("use_listings_cache", False)
+    options.setdefault("session", _botocore_session())
+    fs, _ = url_to_fs(url, **options)
+    if "retries" not in options:
+        fs.retries = 1  # s3fs's own loop: one try
+    return fs
+
+
+# scheme -> (the environment variables its library reads: their prefix or prefixes, its filesystem's maker)
+_KEPT: dict[str, tuple[str | tuple[str, ...], Callable[[str, dict[str, Any]], fsspec.AbstractFileSystem]]] = {
+    "s3": ("AWS_", _s3fs), "s3a": ("AWS_", _s3fs),
+    **{scheme: (gcs.ENVIRONMENT, gcs.filesystem) for scheme in gcs.SCHEMES}}
+_FILESYSTEMS: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}  # by process and options, never dropped
 _SESSION: list[Any] = []  # the process's aiobotocore session
 
 

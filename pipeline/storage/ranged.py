@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from pipeline.errors import ShardError
+from pipeline.storage import gcs
 from pipeline.storage.s3 import client as s3_client
 from pipeline.storage.fs import PIECE_BYTES, filesystem, read_range
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, http_status, transient, with_retries
@@ -36,6 +37,7 @@ class Client(Protocol):
 CLIENTS: dict[str, Callable[[str, dict[str, Any] | None], tuple[Client, str] | None]] = {
     "s3": s3_client,
     "s3a": s3_client,
+    **{scheme: gcs.client for scheme in gcs.SCHEMES},
 }
 
 
