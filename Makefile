@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-peers bench-s3 bench-vqa bench-embeddings bench-index bench-resume fuzz clean
+.PHONY: demo test bench bench-peers bench-s3 bench-gcs bench-vqa bench-embeddings bench-index bench-resume fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench-peers: $(STAMP)
 # The SA-1B task from a local S3-compatible server (SeaweedFS on 127.0.0.1) vs local disk.
 bench-s3: $(STAMP)
 	$(BIN)/python bench/s3_loader.py
+
+# The same from a local GCS emulator (fake-gcs-server on 127.0.0.1), gs:// vs local disk.
+bench-gcs: $(STAMP)
+	$(BIN)/python bench/s3_loader.py --scheme gs
 
 bench-vqa: $(STAMP)
 	$(BIN)/python bench/vqa_loader.py

@@ -377,3 +377,81 @@ def test_the_cli_packs_to_gs_with_the_options_given(gcs, sa1b_src, tmp_path):
     fs, base = filesystem(out, storage_options(gcs.endpoint))
     written = {p.removeprefix(base + "/"): fs.cat_file(p) for p in fs.find(base)}
     assert written == {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir() if p.is_file()}
+
+
+class _TokenServer:
+    """Google's OAuth token endpoint played on 127.0.0.1: each POST is answered with a new access token
+    ("tok1", "tok2", ...) valid for an hour; `refuse` answers 400 invalid_grant instead."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        issued, server = [], self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                if server.refuse:
+                    status, body = 400, {"error": "invalid_grant", "error_description": "Invalid JWT Signature."}
+                else:
+                    issued.append(f"tok{len(issued) + 1}")
+                    status, body = 200, {"access_token": issued[-1], "expires_in": 3600, "token_type": "Bearer"}
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.issued, self.refuse = issued, False
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def key_file(self, path: pathlib.Path) -> pathlib.Path:
+        """A service account's JSON key whose tokens this server issues, written to `path`."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+        path.write_text(json.dumps({
+            "type": "service_account", "project_id": "shardstream-test", "private_key_id": "test", "private_key": key,
+            "client_email": "loader@shardstream-test.iam.gserviceaccount.com", "client_id": "1",
+            "token_uri": f"http://127.0.0.1:{self.httpd.server_address[1]}/token"}))
+        return path
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_google_application_credentials_sign_every_request_of_both_clients(remote, sa1b_dataset, proxy, tmp_path,
+                                                                          monkeypatch):
+    """GOOGLE_APPLICATION_CREDENTIALS (a service account's key) and STORAGE_EMULATOR_HOST, no options: the
+    token google-auth gets for the key signs the lean client's requests and gcsfs's alike; a key whose
+    tokens are refused is a clear error, not retried."""
+    tokens = _TokenServer()
+    try:
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tokens.key_file(tmp_path / "key.json")))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+        _same(_epoch(remote), _epoch(sa1b_dataset))
+        assert tokens.issued, "a token was asked for"
+        signed = {r.headers.get("authorization") for r in proxy.requests}
+        assert signed <= {f"Bearer {token}" for token in tokens.issued}, signed
+        assert _clients(proxy) == {"object_store"} and any(
+            r.headers.get("user-agent", "").startswith("python-gcsfs") for r in proxy.requests)
+        tokens.refuse = True
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tokens.key_file(tmp_path / "refused.json")))
+        with pytest.raises(ManifestError, match=rf"{remote}/manifest.json: .*Invalid Credentials"):
+            _epoch(remote, retry=FAST)
+        shard = f"{remote}/{indexed(sa1b_dataset)[0][0].name}"
+        reader = ranged_reader(shard, None, FAST)
+        assert type(reader.client).__name__ == "GCSClient"
+        with pytest.raises(ShardError, match=rf"{shard}: cannot read bytes 0-10: PermissionError: .*Invalid Credentials"):
+            reader.read(0, 10)  # (no "after 4 tries")
+    finally:
+        tokens.close()
