@@ -21,7 +21,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.errors import ShardError
-from pipeline.storage import gcs
+import pipeline.storage.gcs as gcs
 from pipeline.storage.local import read_regular
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
 

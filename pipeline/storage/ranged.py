@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from pipeline.errors import ShardError
-from pipeline.storage import gcs
+import pipeline.storage.gcs as gcs
 from pipeline.storage.s3 import client as s3_client
 from pipeline.storage.fs import PIECE_BYTES, filesystem, read_range
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, http_status, transient, with_retries
