@@ -53,6 +53,13 @@ GCS_ANSWERS = {"slowdown": _answer("503 Service Unavailable", 503, "We encounter
 CLIENT_OPTIONS = {"lean": {}, "gcsfs": {"session_kwargs": {"trust_env": False}}}
 
 
+@pytest.fixture(autouse=True)
+def _no_google_environment(monkeypatch):
+    """No credentials or emulator of the user's: a test sets what it uses (nothing here reaches Google)."""
+    for name in [n for n in os.environ if n.startswith(("GOOGLE_", "GCSFS_")) or n == "STORAGE_EMULATOR_HOST"]:
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory: pytest.TempPathFactory):
     """fake-gcs-server on 127.0.0.1 for the module's tests."""
@@ -347,7 +354,6 @@ def _cli_options(gcs: FakeGCS) -> list[str]:
 def test_the_cli_reads_gs_with_the_options_or_the_environment(remote, gcs, sa1b_dataset, sa1b_src, tmp_path, capsys,
                                                                monkeypatch, given):
     """inspect, verify, preview, tune and index, with --storage-options alone, or STORAGE_EMULATOR_HOST alone."""
-    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     if given == "environment":
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)
     flags = _cli_options(gcs) if given == "options" else []
