@@ -25,7 +25,7 @@ import pipeline.storage.gcs as gcs
 from pipeline.storage.local import read_regular
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
 
-__all__ = ["PIECE_BYTES", "filesystem", "is_local", "join", "read_range", "shard_url", "write_bytes"]
+__all__ = ["KEPT", "PIECE_BYTES", "filesystem", "is_local", "join", "read_range", "shard_url", "write_bytes"]
 
 def join(root: str, name: str) -> str:
     return posixpath.join(root.rstrip("/"), name)
@@ -47,12 +47,12 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     (s3fs's finalizer would wait a second for the parent's event loop, then print "attached to a
     different loop")."""
     options = dict(storage_options or {})
-    kept = _KEPT.get(url.partition("://")[0]) if "://" in url else None
+    kept = KEPT.get(url.partition("://")[0]) if "://" in url else None
     if kept is None:
         return url_to_fs(url, **options)
     prefix, make = kept
     env = sorted((name, value) for name, value in os.environ.items() if name.startswith(prefix))
-    key = (os.getpid(), prefix, json.dumps([options, env], sort_keys=True, default=repr))
+    key = (os.getpid(), url.partition("://")[0], json.dumps([options, env], sort_keys=True, default=repr))
     fs = _FILESYSTEMS.get(key)
     if fs is None:
         fs = _FILESYSTEMS.setdefault(key, make(url, options))
@@ -74,7 +74,7 @@ def _s3fs(url: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
 
 
 # scheme -> (the environment variables its library reads: their prefix or prefixes, its filesystem's maker)
-_KEPT: dict[str, tuple[str | tuple[str, ...], Callable[[str, dict[str, Any]], fsspec.AbstractFileSystem]]] = {
+KEPT: dict[str, tuple[str | tuple[str, ...], Callable[[str, dict[str, Any]], fsspec.AbstractFileSystem]]] = {
     "s3": ("AWS_", _s3fs), "s3a": ("AWS_", _s3fs),
     **{scheme: (gcs.ENVIRONMENT, gcs.filesystem) for scheme in gcs.SCHEMES}}
 _FILESYSTEMS: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}  # by process and options, never dropped
