@@ -9,7 +9,8 @@ obstore's own retries are off: `retry.Retry` is the one retry layer.
 
 A client is made per process and never used in another (`client` keys them by process id). obstore
 cannot serve a process forked after it was used (its tokio runtime's threads do not survive the
-fork): in such a process `client` declines and s3fs reads."""
+fork): in such a process `client` declines and s3fs reads. `S3Client`, `made_once` and `translated`
+serve other obstore stores alike (`gcs.py`: the same client over a GCSStore)."""
 
 from __future__ import annotations
 
