@@ -8,7 +8,8 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-peers bench-s3 bench-az bench-vqa bench-embeddings bench-index bench-resume fuzz clean
+.PHONY: demo test bench bench-peers bench-s3 bench-az bench-gcs bench-vqa bench-embeddings bench-index bench-resume \
+	fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +52,10 @@ bench-s3: $(STAMP)
 # The same from Azure Blob Storage's emulator (Azurite on 127.0.0.1) vs local disk.
 bench-az: $(STAMP) $(AZURITE)
 	$(BIN)/python bench/s3_loader.py --scheme az
+
+# The same from a local GCS emulator (fake-gcs-server on 127.0.0.1), gs:// vs local disk.
+bench-gcs: $(STAMP)
+	$(BIN)/python bench/s3_loader.py --scheme gs
 
 bench-vqa: $(STAMP)
 	$(BIN)/python bench/vqa_loader.py

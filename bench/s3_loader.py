@@ -1,28 +1,32 @@
-"""Object-storage benchmark: the SA-1B task streamed from SeaweedFS (S3 on 127.0.0.1), or from Azurite
-(Azure Blob Storage on 127.0.0.1, `--scheme az`), vs local disk.
+"""Object-storage benchmark: the SA-1B task streamed from SeaweedFS (S3 on 127.0.0.1), from
+fake-gcs-server (GCS on 127.0.0.1, `--scheme gs`) or from Azurite (Azure Blob Storage on 127.0.0.1,
+`--scheme az`), vs local disk.
 
-    python bench/s3_loader.py [--scheme s3|az] [--images 256] [--shard-samples 16] [--workers 2] [--repeats 3]
-                                                                           (or: make bench-s3, make bench-az)
+    python bench/s3_loader.py [--scheme s3|gs|az] [--images 256] [--shard-samples 16] [--workers 2] [--repeats 3]
+                                                       (or: make bench-s3, make bench-gcs, make bench-az)
 
 The images of `bench/sa1b_loader.py`, packed `--shard-samples` to a shard, are uploaded to a
-server started for the run (SeaweedFS's `weed mini`, or Azurite's blob service in memory; loopback
-only, on the loader's cores). The ways of reading them, interleaved in rounds so that load on the
-machine hits them alike, each with a fresh loader per epoch (num_workers=2, batch 8, image 1024,
-masks 256, max 64); with `--scheme az`, `az` in their names for `s3`, and no `wds s3`:
+server started for the run (SeaweedFS's `weed mini`, fake-gcs-server, or Azurite's blob service in
+memory; loopback only, on the loader's cores). The ways of reading them, interleaved in rounds so that load on the machine hits
+them alike, each with a fresh loader per epoch (num_workers=2, batch 8, image 1024, masks 256, max
+64), named here for s3 (for gs, the same ways named gs...):
   local      the folder on local disk
   s3         s3://bucket/sa1b by byte range, no cache: samples of a shard read ahead in merged spans
   s3 1/smp   the same, one request per sample (read_ahead_bytes=0): the reference for spans
+  s3 fsspec  by range through the fsspec filesystem (s3fs, gcsfs, adlfs), given an option the lean client
+             (obstore) declines: what the lean client saves
   s3 cold    with cache_dir/cache_limit, the cache emptied before the epoch
   s3 warm    the same cache, filled by an earlier epoch
   wds s3     webdataset reading the same tars from the same server its documented way (`pipe:curl`
-             of each whole tar, by presigned URL), its shuffle buffer of 1000, decoded and collated
+             of each whole tar, by presigned URL; on the GCS emulator, which checks no credentials,
+             by its plain URL; not on Azurite), its shuffle buffer of 1000, decoded and collated
              by this project's SA-1B decode in its workers (bench/sa1b_peers.py's PeerDecode)
 Time to first batch runs from `make_stream_loader()` to the first batch in hand (worker start
 included); samples/s from the first batch to the end of the epoch; CPU ms per sample of this
 process and its DataLoader workers together (the server's not included). Medians over the rounds.
 Then one untimed epoch of each s3 way through a recording proxy: requests per sample and bytes
 read per byte of sample used (the server's HEAD and index requests included).
-Then `shard-pack verify` of the dataset from local disk and from s3:// (each shard streamed once
+Then `shard-pack verify` of the dataset from local disk and from the server (each shard streamed once
 into a temporary file, its samples checked from there), once each.
 """
 
@@ -37,19 +41,20 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 from sa1b_loader import SETTINGS, packed  # (bench/ is on the path of a script run from it)
 from sa1b_peers import WDS_SHUFFLE, PeerDecode
 
-from shard_tools.samples import localazure
-from shard_tools.samples.locals3 import AWS_ENV, SeaweedFS, storage_options
+from shard_tools.samples import localazure, localgcs, locals3
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 from objectstore import FaultProxy  # noqa: E402  (the tests' recording proxy)
 from shard_tools.verify import verify
-from pipeline.storage import filesystem
 
-os.environ["AWS_EC2_METADATA_DISABLED"] = AWS_ENV["AWS_EC2_METADATA_DISABLED"]
+os.environ["AWS_EC2_METADATA_DISABLED"] = locals3.AWS_ENV["AWS_EC2_METADATA_DISABLED"]
+os.environ.update(localgcs.GCS_ENV)  # (no probe of Google's metadata server)
 
 
 def _cpu() -> float:
@@ -95,54 +100,64 @@ def wds_epoch(urls: list[str], workers: int) -> tuple[float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scheme", choices=["s3", "gs", "az"], default="s3", help="the object store: S3 "
+                        "(SeaweedFS), Google Cloud Storage (fake-gcs-server) or Azure Blob Storage (Azurite)")
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--shard-samples", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--scheme", choices=["s3", "az"], default="s3", help="s3 (SeaweedFS) or az (Azurite)")
     args = parser.parse_args()
 
+    from pipeline.storage import filesystem
+
+    scheme = args.scheme
     shards = packed(args.images, args.shard_samples)
-    work = pathlib.Path(tempfile.mkdtemp(prefix="bench-s3-"))
-    server, options_at, remote = _serve(args.scheme, work, shards)
+    work = pathlib.Path(tempfile.mkdtemp(prefix=f"bench-{scheme}-"))
+    server, port, options_at = _server(scheme, work)
     try:
-        options, at = options_at(server.endpoint), args.scheme
+        options = options_at(server.endpoint)
+        fs, _ = filesystem(f"{scheme}://bench", options)
+        fs.mkdir("bench")
+        fs.put(str(shards) + "/", "bench/sa1b/", recursive=True)
         size = sum(p.stat().st_size for p in shards.glob("*.tar"))
         print(f"data: {args.images} images at 1500x2250 in {len(list(shards.glob('*.tar')))} shards of "
               f"{args.shard_samples} "
               f"({size / 1e6:.0f} MB), uploaded to {server.endpoint}; settings {SETTINGS}, num_workers={args.workers}")
-        cache = work / "cache"
+        remote, cache = f"{scheme}://bench/sa1b", work / "cache"
 
-        def ways(options: dict) -> dict:
+        def ways(endpoint: str) -> dict:
+            options = options_at(endpoint)
+            urls = [f"pipe:curl -s -f '{url}'" for url in _whole_tars(scheme, endpoint, options, shards)]
             return {
                 "local": lambda: epoch(str(shards), args.workers),
-                at: lambda: epoch(remote, args.workers, storage_options=options),
-                f"{at} 1/smp": lambda: epoch(remote, args.workers, storage_options=options, read_ahead_bytes=0),
-                f"{at} cold": lambda: (shutil.rmtree(cache, ignore_errors=True),
-                                       epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
-                                             cache_limit=4 * size))[1],
-                f"{at} warm": lambda: epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
-                                            cache_limit=4 * size),
-                **({"wds s3": _wds(options, shards, args.workers)} if at == "s3" else {}),
+                scheme: lambda: epoch(remote, args.workers, storage_options=options),
+                f"{scheme} 1/smp": lambda: epoch(remote, args.workers, storage_options=options, read_ahead_bytes=0),
+                f"{scheme} fsspec": lambda: epoch(remote, args.workers, storage_options={**options, **_DECLINED[scheme]}),
+                f"{scheme} cold": lambda: (shutil.rmtree(cache, ignore_errors=True),
+                                           epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
+                                                 cache_limit=4 * size))[1],
+                f"{scheme} warm": lambda: epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
+                                                cache_limit=4 * size),
+                **({f"wds {scheme}": lambda: wds_epoch(urls, args.workers)} if urls else {}),
             }
 
         epoch(str(shards), args.workers)  # warm-up: page cache, imports
-        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways(options)}
+        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways(server.endpoint)}
         for _ in range(args.repeats):
-            for name, run in ways(options).items():
+            for name, run in ways(server.endpoint).items():
                 results[name].append(run())
-        proxy = FaultProxy(server.port if at == "az" else server.s3_port)
+        proxy = FaultProxy(port)
         used = sum(e - s for p in shards.glob("*.tar") for s, e in _sample_spans(shards, p.name))
         samples = sum(1 for p in shards.glob("*.tar") for _ in _sample_spans(shards, p.name))
         shapes = {}
-        for name, run in ways(options_at(proxy.endpoint)).items():
+        for name, run in ways(proxy.endpoint).items():
             if name != "local":
                 proxy.clear()
                 run()
                 shapes[name] = (len(proxy.requests) / samples, sum(r.response_bytes for r in proxy.gets()) / used)
         proxy.close()
         verified = {}
-        for name, source, options_ in (("local", str(shards), None), (at, remote, options)):
+        for name, source, options_ in (("local", str(shards), None), (scheme, remote, options)):
             start = time.perf_counter()
             problems = verify(source, progress=False, storage_options=options_)
             verified[name] = f"{time.perf_counter() - start:.1f} s ({len(problems)} problems)"
@@ -158,38 +173,45 @@ def main() -> None:
         requests, amplification = shapes.get(name, (0.0, 0.0))
         print(f"{name:<10}{first:>15.2f}{first / local[0]:>9.2f}{rate:>11.1f}{rate / local[1]:>10.0%}{cpu:>12.1f}"
               f"{cpu / local[2]:>9.2f}{requests:>14.3f}{amplification:>11.2f}")
-    print(f"targets: {at} and {at} cold samples/s >= 85% of local, CPU <= 1.15x local; first batch <= 1.5x local; "
-          "requests/sample <= 1/8")
-    print(f"shard-pack verify (every sample decoded): local {verified['local']}, {at} {verified[at]}")
+    print(f"targets: {scheme} and {scheme} cold samples/s >= 85% of local, CPU <= 1.15x local; first batch <= 1.5x "
+          "local; requests/sample <= 1/8")
+    print(f"shard-pack verify (every sample decoded): local {verified['local']}, {scheme} {verified[scheme]}")
 
 
-def _serve(scheme: str, work: pathlib.Path, shards: pathlib.Path):
-    """The server started for the run, with the folder uploaded: (it, its storage options by endpoint, the URL)."""
+# An option each scheme's lean client declines (its reads then go through s3fs, gcsfs or adlfs), changing nothing
+# else.
+_DECLINED = {"s3": {"config_kwargs": {"max_pool_connections": 10}}, "gs": {"session_kwargs": {"trust_env": False}},
+             "az": {"timeout": None}}
+
+
+def _server(scheme: str, work: pathlib.Path) -> tuple[Any, int, Callable[[str], dict[str, Any]]]:
+    """The object store's server, started for the run: (it, the port a proxy forwards to, its storage
+    options for an endpoint: the server's own or a proxy's)."""
+    if scheme == "s3":
+        weed = locals3.SeaweedFS(work / "seaweedfs")
+        weed.start()
+        return weed, weed.s3_port, locals3.storage_options
     if scheme == "az":
         azurite = localazure.Azurite(work / "azurite")
         azurite.start()
-        container = azurite.new_container()
-        fs, _ = filesystem(f"az://{container}", localazure.storage_options(azurite.endpoint))
-        fs.put(str(shards) + "/", f"{container}/sa1b/", recursive=True)
-        return azurite, localazure.storage_options, f"az://{container}/sa1b"
-    import s3fs
-
-    server = SeaweedFS(work / "seaweedfs")
-    server.start()
-    fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
-    fs.mkdir("bench")
-    fs.put(str(shards) + "/", "bench/sa1b/", recursive=True)
-    return server, storage_options, "s3://bench/sa1b"
+        return azurite, azurite.port, localazure.storage_options
+    fake = localgcs.FakeGCS(work / "fake-gcs")
+    fake.start()
+    return fake, fake.port, localgcs.storage_options
 
 
-def _wds(options: dict, shards: pathlib.Path, workers: int):
-    """webdataset's epoch over the bucket's shards, each by `pipe:curl` of a presigned URL."""
+def _whole_tars(scheme: str, endpoint: str, options: dict[str, Any], shards: pathlib.Path) -> list[str]:
+    """HTTP URLs of the train shards on the server, for `curl`: presigned (S3), or plain (the GCS emulator
+    checks no credentials; its XML API's address of the object); none on Azurite."""
+    names = [p.name for p in sorted(shards.glob("train-*.tar"))]
+    if scheme == "az":
+        return []
+    if scheme == "gs":
+        return [f"{endpoint}/bench/sa1b/{name}" for name in names]
     import s3fs
 
     signer = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-    urls = [f"pipe:curl -s -f '{signer.sign(f'bench/sa1b/{p.name}', expiration=7200)}'"
-            for p in sorted(shards.glob("train-*.tar"))]
-    return lambda: wds_epoch(urls, workers)
+    return [signer.sign(f"bench/sa1b/{name}", expiration=7200) for name in names]
 
 
 def _sample_spans(shards: pathlib.Path, name: str) -> list[tuple[int, int]]:

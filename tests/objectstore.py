@@ -58,7 +58,7 @@ class FaultProxy:
     """HTTP proxy on 127.0.0.1 in front of the server, one request per connection, that records every
     request and injects faults into the next `count` requests that `match`:
     - "slowdown": answers 503 SlowDown; "error500": answers 500 InternalError (the server never sees them;
-      `answers` gives another server's words for both);
+      `answers` gives another server's words for both, and may name more modes answered so);
     - "cut": relays the response head and `after_bytes` of the body, then closes the connection;
     - "reset": resets the connection (RST) before answering;
     - "stall": holds the connection silent for `seconds`, then closes it.
@@ -87,7 +87,7 @@ class FaultProxy:
 
     def fault(self, mode: str, count: int = 1, *, after_bytes: int = 0, seconds: float = 0.0,
               match: Callable[[Request], bool] = lambda r: True) -> None:
-        assert mode in ("slowdown", "error500", "cut", "reset", "stall")
+        assert mode in ("cut", "reset", "stall") or mode in self.answers, mode
         with self._lock:
             self.faults.append(_Fault(mode, count, after_bytes, seconds, match))
 
@@ -158,7 +158,7 @@ class FaultProxy:
             lines = self._signed_again(lines, method, target)
         fault = self._take_fault(request)
         try:
-            if fault is not None and fault.mode in ("slowdown", "error500"):
+            if fault is not None and fault.mode in self.answers:
                 answer, payload = self.answers[fault.mode]
                 writer.write(answer % len(payload) + payload)
                 await writer.drain()

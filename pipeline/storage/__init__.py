@@ -2,6 +2,7 @@
 
 - `retry`: the one retry policy (transient failures backed off with jitter; others fail at once);
 - `fs`: filesystems by URL (fsspec), the generic ranged read and the atomic small write;
+- `ranged`: ranged reads of shards through a client per URL scheme (`s3`, `gcs`: obstore), else fsspec;
 - `meta`: a dataset's manifest and shard index files, read whole and checked;
 - `places`: where a dataset's names may lead (inside its folder, or under `allowed_roots`);
 - `local`: local shards memory-mapped under read leases, pages released after use, hashing (regular files only);
@@ -10,7 +11,7 @@
 - `reader`: `ShardReader`, which picks among them for each shard.
 
 Clients are made in the process that uses them (`ShardReader` is built inside each DataLoader
-worker): s3fs, botocore and obstore are not fork-safe.
+worker): s3fs, gcsfs, botocore and obstore are not fork-safe.
 """
 
 from pipeline.storage.cache import ShardCache

@@ -2,9 +2,9 @@
 and the generic ranged read and atomic small write over them.
 
 For `s3://`, botocore's and s3fs's own retry loops are turned off (they multiply: 5 x 5 tries by
-default) unless the caller sets them, and for `az://` azure-storage-blob's (10 tries), so `Retry`
-alone decides how often a request is tried, and a long range read resumes from the last whole piece
-it reached."""
+default) unless the caller sets them, for `az://` azure-storage-blob's (10 tries) and for `gs://`
+gcsfs's (6 tries), so `Retry` alone decides how often a request is tried, and a long range read
+resumes from the last whole piece it reached."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pipeline.errors import ShardError
 from pipeline.storage.azure import SCHEMES as AZURE_SCHEMES
 from pipeline.storage.azure import filesystem as adlfs_filesystem
+import pipeline.storage.gcs as gcs
 from pipeline.storage.local import read_regular
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, transient, with_retries
 
@@ -43,11 +44,11 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     """The filesystem and path of a URL, with the storage library's own retries off unless the options set
     them (`Retry` is the one retry layer). Call it in the process that reads: filesystems are not fork-safe.
 
-    An s3 or Azure filesystem is made once per process, options and environment (what botocore or
-    azure-storage reads) and kept, its listings cache off so that nothing it answers goes stale: its
-    client costs ~0.1-0.2 s to make, and one inherited by a forked worker must never be collected there
-    (s3fs's and adlfs's finalizers would wait for the parent's event loop; s3fs's then prints "attached
-    to a different loop")."""
+    An s3, Azure or gs filesystem is made once per process, options and environment (what botocore,
+    azure-storage, or gcsfs and google-auth read) and kept, its listings cache off so that nothing it
+    answers goes stale: its client costs ~0.1-0.2 s to make, and one inherited by a forked worker must
+    never be collected there (s3fs's and adlfs's finalizers would wait for the parent's event loop;
+    s3fs's then prints "attached to a different loop")."""
     options = dict(storage_options or {})
     kept = KEPT.get(url.partition("://")[0]) if "://" in url else None
     if kept is None:
@@ -75,9 +76,11 @@ def _s3fs(url: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
     return fs
 
 
-# scheme -> (the environment variables its library reads: their prefix, its filesystem's maker)
-KEPT: dict[str, tuple[str, Callable[[str, dict[str, Any]], fsspec.AbstractFileSystem]]] = {
-    "s3": ("AWS_", _s3fs), "s3a": ("AWS_", _s3fs), **{scheme: ("AZURE", adlfs_filesystem) for scheme in AZURE_SCHEMES}}
+# scheme -> (the environment variables its library reads: their prefix or prefixes, its filesystem's maker)
+KEPT: dict[str, tuple[str | tuple[str, ...], Callable[[str, dict[str, Any]], fsspec.AbstractFileSystem]]] = {
+    "s3": ("AWS_", _s3fs), "s3a": ("AWS_", _s3fs),
+    **{scheme: ("AZURE", adlfs_filesystem) for scheme in AZURE_SCHEMES},
+    **{scheme: (gcs.ENVIRONMENT, gcs.filesystem) for scheme in gcs.SCHEMES}}
 _FILESYSTEMS: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}  # by process and options, never dropped
 _SESSION: list[Any] = []  # the process's aiobotocore session
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from pipeline.errors import ShardError
 from pipeline.storage.azure import SCHEMES as AZURE_SCHEMES
 from pipeline.storage.azure import client as azure_client
+import pipeline.storage.gcs as gcs
 from pipeline.storage.s3 import client as s3_client
 from pipeline.storage.fs import PIECE_BYTES, filesystem, read_range
 from pipeline.storage.retry import Retry, Tries, Truncated, describe, http_status, transient, with_retries
@@ -39,6 +40,7 @@ CLIENTS: dict[str, Callable[[str, dict[str, Any] | None], tuple[Client, str] | N
     "s3": s3_client,
     "s3a": s3_client,
     **{scheme: azure_client for scheme in AZURE_SCHEMES},
+    **{scheme: gcs.client for scheme in gcs.SCHEMES},
 }
 
 

@@ -4,7 +4,7 @@ jitter; anything else (a missing object, bad credentials) fails at once. A reque
 `attempts` times, but throttling (503 SlowDown, 429 and the S3 throttling codes: the server asking
 for fewer requests, not failing) is retried for as long as the request stays within its time
 budget, `throttle_seconds`: a throttled epoch slows down, it does not fail. The clients' own retry
-loops are off (botocore's and s3fs's in `fs`, obstore's in `s3`)."""
+loops are off (botocore's, s3fs's and gcsfs's in `fs`, obstore's in `s3` and `gcs`)."""
 
 from __future__ import annotations
 
@@ -102,11 +102,15 @@ def throttled(exc: BaseException) -> bool:
 
 def http_status(exc: BaseException) -> int | None:
     """The HTTP status of a failed request: its `status` (aiohttp, http, `s3.S3Error`) or `status_code`
-    (azure-core, under adlfs), or the one obstore's message states; None where no answer came."""
+    (azure-core, under adlfs), gcsfs's HttpError's `code`, or the one obstore's message states; None
+    where no answer came."""
     status = getattr(exc, "status", None)
     status = status if isinstance(status, int) else getattr(exc, "status_code", None)
     if isinstance(status, int):
         return status
+    code = vars(exc).get("code")  # (an attribute, not aiohttp's deprecated property)
+    if type(exc).__module__.split(".")[0] == "gcsfs" and isinstance(code, int):
+        return code
     if type(exc).__module__.split(".")[0] == "obstore":
         found = re.search(r"status code: (\d{3})", str(exc))
         return int(found.group(1)) if found else None

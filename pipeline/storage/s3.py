@@ -10,7 +10,7 @@ obstore's own retries are off: `retry.Retry` is the one retry layer.
 A client is made per process and never used in another (`client` keys them by process id). obstore
 cannot serve a process forked after it was used (its tokio runtime's threads do not survive the
 fork): in such a process `client` declines and s3fs reads. `S3Client`, `made_once` and `translated`
-serve other obstore stores alike (`azure.py`: the same client over an AzureStore)."""
+serve other obstore stores alike (`azure.py`, `gcs.py`: the same client over an AzureStore, a GCSStore)."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def client(url: str, storage_options: dict[str, Any] | None) -> tuple[S3Client, 
                      lambda options: S3Client(_store(bucket, options), bucket))
 
 
-def made_once(url: str, storage_options: dict[str, Any] | None, env_and_fallback: tuple[str, str],
+def made_once(url: str, storage_options: dict[str, Any] | None, env_and_fallback: tuple[str | tuple[str, ...], str],
               reason: str | None, make: Callable[[dict[str, Any]], S3Client]) -> tuple[S3Client, str] | None:
     """A scheme's lean client of the URL's bucket (or container) and the object's key in it: `make(options)`,
     called once per process, bucket, options and environment (the variables whose names start with the
