@@ -209,8 +209,19 @@ def test_a_failing_piece_stops_the_download(tmp_path):
         yield from _reader(DATA, pause=0.01)(start, end)
 
     with pytest.raises(ShardError, match="cannot read bytes"):
-        cache.fetch("u", len(DATA), SHA, read, piece=1000)
+        cache.fetch("u", len(DATA), SHA, read, parallel=4, piece=1000)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_shard_is_one_request_by_default_whatever_its_size(tmp_path):
+    """The node's requests for a shard are its index and its download: one `read` (one streamed
+    request), not one per piece (before: up to 4 of a shard over 16 MiB)."""
+    asked = []
+    read = _reader(DATA)
+    cache = ShardCache(str(tmp_path), 1 << 20)
+    path = cache.fetch("u", len(DATA), SHA, lambda start, end: asked.append((start, end)) or read(start, end),
+                       piece=100)
+    assert asked == [(0, len(DATA))] and open(path, "rb").read() == DATA
 
 
 def _still_open(fd: int, out) -> None:

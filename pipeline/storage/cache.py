@@ -237,11 +237,12 @@ class ShardCache:
         return None
 
     def fetch(self, url: str, size: int, sha256: str, read: Callable[[int, int], Iterator[bytes | memoryview]], *,
-              parallel: int = 4, piece: int = 16 << 20, actual_size: Callable[[], int] | None = None,
+              parallel: int = 1, piece: int = 16 << 20, actual_size: Callable[[], int] | None = None,
               started: Callable[[], None] = lambda: None) -> str | None:
         """The local path of the shard, downloading it if needed (None if another process is downloading
-        it): `read(start, end)` yields the bytes [start, end) in order. A shard over `piece` bytes
-        downloads in up to `parallel` pieces at once.
+        it): `read(start, end)` yields the bytes [start, end) in order. By default a shard is one `read`
+        (one streamed request: the node's requests for a shard are its index and this); with `parallel`
+        over 1, a shard over `piece` bytes downloads in up to `parallel` pieces at once.
         While it arrives, readers in any process take the bytes already there (`read_arriving`), and
         its SHA-256 is computed as its bytes arrive. `actual_size()`: the object's size, asked for once the
         first request is answered (an answer may say it: `Ranged.known_size`) and before any space is
