@@ -251,3 +251,20 @@ def test_a_forked_child_closes_only_the_locked_files_it_was_given(tmp_path):
         locks.close(held)
         locks.unlock(reused)
         os.close(reused)
+
+
+def test_a_reader_waits_for_a_download_about_to_start_instead_of_reading_by_range(tmp_path):
+    """A process that took the shard's download lock but has not made its file yet: a reader waits for
+    the file (before: it found none and read the bytes by range, a request the node's download saves);
+    with no lock there, it does not wait."""
+    cache = ShardCache(str(tmp_path), 1 << 20)
+    assert cache.read_arriving(SHA, 0, 100, patience=30) is None  # (no download: at once)
+    (tmp_path / f"{SHA}.tar.lock").touch()  # (taken, the download's file not made yet)
+    later = []
+    reader = threading.Thread(target=lambda: later.append(cache.read_arriving(SHA, 0, 100, patience=30)))
+    reader.start()
+    time.sleep(0.2)
+    assert reader.is_alive() and later == []
+    cache.fetch("u", len(DATA), SHA, _reader(DATA))
+    reader.join(30)
+    assert later == [DATA[:100]] or later == [None] and cache.lookup("u", SHA) is not None

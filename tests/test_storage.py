@@ -261,14 +261,14 @@ def test_cache_fetches_each_shard_once_for_two_workers_then_serves_locally(remot
     assert [r.target for r in proxy.gets()] == [] and {r.method for r in proxy.requests} <= {"HEAD"}
 
 
-def _node_rank(source: str, endpoint: str, cache: str, rank: int, out) -> None:
+def _node_rank(source: str, endpoint: str, cache: str, rank: int, by_range: bool, out) -> None:
     """One rank of a node of two (a process of its own, 2 DataLoader workers, batches of 1), through the
     node's cache, one download at a time per process (so that downloads wait their turn): its batches'
     keys and the SHA-256 of their tensors."""
     shard_reader.DOWNLOADS = 1  # (the workers forked from this process inherit it)
     loader = make_stream_loader(source, "train", batch_size=1, num_workers=2, multiprocessing_context="fork",
                                 rank=rank, world_size=2, seed=5, storage_options=storage_options(endpoint),
-                                cache_dir=cache, cache_limit=1 << 30, **SMALL)
+                                cache_dir=cache, cache_limit=1 << 30, first_batch_by_range=by_range, **SMALL)
     loader.set_epoch(1)
     out.put((rank, _digests(loader)))
 
@@ -278,13 +278,14 @@ def _digests(batches) -> list[tuple[list[str], dict[str, str]]]:
                              for name in ("images", "masks", "boxes", "mask_counts")}) for batch in batches]
 
 
-def test_a_node_of_two_ranks_fetches_each_shard_and_index_once_and_only_first_batches_by_range(sa1b_src, server,
-                                                                                              proxy, tmp_path):
+@pytest.mark.parametrize("by_range", [True, False])
+def test_a_node_of_two_ranks_fetches_each_shard_and_index_once_and_only_first_batches_by_range(
+        sa1b_src, server, proxy, tmp_path, by_range):
     """Two ranks of one node, 2 workers each, sharing the cache: the node's requests are the manifest
     (a HEAD per rank, one GET), each shard's index and each shard's download (one request each), and
-    each worker's first batch by range; no sample waiting for its shard's download is read by range
-    (before: 1 download at a time per process left the others' samples to ranges). Each rank's batches
-    are those from local disk, sample for sample."""
+    each worker's first batch by range (none with `first_batch_by_range=False`); no sample waiting for
+    its shard's download is read by range (before: 1 download at a time per process left the others'
+    samples to ranges). Each rank's batches are those from local disk, sample for sample."""
     bucket = new_bucket(server)
     pack(Sa1bSource(), [str(sa1b_src)], f"{tmp_path}/two", PackOptions(shard_samples=1), progress=False)
     s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True).put(
@@ -300,7 +301,7 @@ def test_a_node_of_two_ranks_fetches_each_shard_and_index_once_and_only_first_ba
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     ranks = [context.Process(target=_node_rank, args=(f"s3://{bucket}/two", proxy.endpoint, str(tmp_path / "cache"),
-                                                      rank, out)) for rank in (0, 1)]
+                                                      rank, by_range, out)) for rank in (0, 1)]
     for rank in ranks:
         rank.start()
     results = dict(out.get(timeout=300) for _ in ranks)
@@ -318,8 +319,10 @@ def test_a_node_of_two_ranks_fetches_each_shard_and_index_once_and_only_first_ba
     assert sorted(n for _, n in named if n.endswith(".idx")) == sorted(s.index.name for s in shards), \
         "each index fetched once for the node"
     assert [(r.method, n) for r, n in named if n == "manifest.json"].count(("GET", "manifest.json")) == 1
-    assert len(spans) <= 2 * 2 * 1, f"only each worker's first batch by range: {spans}"
-    assert len(proxy.requests) <= 2 * len(shards) + 1 + 2 + 4, "2 a shard, the manifest, a HEAD per rank, first batches"
+    first_batches = 2 * 2 * 1 if by_range else 0
+    assert len(spans) <= first_batches, f"only each worker's first batch by range: {spans}"
+    assert len(proxy.requests) <= 2 * len(shards) + 1 + 2 + first_batches, \
+        "2 a shard, the manifest, a HEAD per rank, first batches"
 
 
 def test_cache_stays_under_its_limit_evicting_least_recently_used(remote, sa1b_dataset, proxy, tmp_path):

@@ -70,6 +70,21 @@ def _covered(table: np.ndarray, start: int, end: int) -> bool:
     return True
 
 
+def _download_file(path: str, deadline: float) -> int | None:
+    """The file of the shard's download (the shard's `path`), open for reading; None if no download of it
+    runs. A download whose lock is taken but whose file is not made yet (a process of the node about to
+    start it, or finding it cached) is waited for until `deadline`: not to read its bytes by range meanwhile."""
+    pause = 0.001
+    while True:
+        try:
+            return os.open(f"{path}.partial-{_STREAMED}", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not os.path.exists(path + ".lock") or os.path.exists(path) or time.monotonic() > deadline:
+                return None
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+
+
 def _live(fd: int) -> bool:
     """Whether the download whose file is open at `fd` is still running (its writer holds the lock)."""
     if not locks.lock(fd, shared=True, wait=False):
@@ -315,12 +330,12 @@ class ShardCache:
         have arrived; None if no download of it is running, or it ends or stalls (`patience` seconds
         without the bytes): then look it up, or read it by range."""
         path = os.path.join(self.directory, f"{sha256}.tar")
-        try:
-            fd = os.open(f"{path}.partial-{_STREAMED}", os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        deadline = time.monotonic() + patience
+        fd = _download_file(path, deadline)
+        if fd is None:
             return None
         try:
-            deadline, pause = time.monotonic() + patience, 0.001
+            pause = 0.001
             while True:
                 try:
                     with open(path + _ARRIVED, "rb") as f:
