@@ -1,27 +1,31 @@
 """Object-storage benchmark: the SA-1B task streamed from SeaweedFS (S3 on 127.0.0.1) vs local disk.
 
-    python bench/s3_loader.py [--images 256] [--shard-samples 16] [--workers 2] [--repeats 3]
+    python bench/s3_loader.py [--images 256] [--shard-samples 16,64,256] [--workers 2] [--repeats 3]
                                                                            (or: make bench-s3)
 
-The images of `bench/sa1b_loader.py`, packed `--shard-samples` to a shard, are uploaded to a
-SeaweedFS server started for the run (`weed mini`, loopback only, on the loader's cores). The
-ways of reading them, interleaved in rounds so that load on the machine hits them alike, each
-with a fresh loader per epoch (num_workers=2, batch 8, image 1024, masks 256, max 64):
+The images of `bench/sa1b_loader.py`, packed `--shard-samples` to a shard (each size in turn, its
+own prefix), are uploaded to a SeaweedFS server started for the run (`weed mini`, loopback only,
+on the loader's cores). The ways of reading them, interleaved in rounds so that load on the
+machine hits them alike, each with a fresh loader per epoch (num_workers=2, batch 8, image 1024,
+masks 256, max 64):
   local      the folder on local disk
   s3         s3://bucket/sa1b by byte range, no cache: samples of a shard read ahead in merged spans
   s3 1/smp   the same, one request per sample (read_ahead_bytes=0): the reference for spans
   s3 cold    with cache_dir/cache_limit, the cache emptied before the epoch
   s3 warm    the same cache, filled by an earlier epoch
+  s3 cold c  cold, each worker's first batch taken from the downloads too (first_batch_by_range=False)
   wds s3     webdataset reading the same tars from the same server its documented way (`pipe:curl`
              of each whole tar, by presigned URL), its shuffle buffer of 1000, decoded and collated
              by this project's SA-1B decode in its workers (bench/sa1b_peers.py's PeerDecode)
 Time to first batch runs from `make_stream_loader()` to the first batch in hand (worker start
 included); samples/s from the first batch to the end of the epoch; CPU ms per sample of this
 process and its DataLoader workers together (the server's not included). Medians over the rounds.
-Then one untimed epoch of each s3 way through a recording proxy: requests per sample and bytes
-read per byte of sample used (the server's HEAD and index requests included).
+Then one untimed epoch of each s3 way through a recording proxy: requests per sample, bytes read
+per byte of sample used (the server's HEAD and index requests included), and requests per second
+of this node at the way's measured samples/s; and where the requests went (manifest, shard
+indexes, whole-shard downloads, ranges of samples).
 Then `shard-pack verify` of the dataset from local disk and from s3:// (each shard streamed once
-into a temporary file, its samples checked from there), once each.
+into a temporary file, its samples checked from there), once each, at the first shard size.
 """
 
 from __future__ import annotations
@@ -92,79 +96,113 @@ def wds_epoch(urls: list[str], workers: int) -> tuple[float, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=256)
-    parser.add_argument("--shard-samples", type=int, default=16)
+    parser.add_argument("--shard-samples", default="16,64,256", help="samples per shard: one size or several (a,b,c)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     import s3fs
 
-    shards = packed(args.images, args.shard_samples)
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench-s3-"))
     server = SeaweedFS(work / "seaweedfs")
     server.start()
     try:
-        options = storage_options(server.endpoint)
-        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        fs = s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True)
         fs.mkdir("bench")
-        fs.put(str(shards) + "/", "bench/sa1b/", recursive=True)
-        size = sum(p.stat().st_size for p in shards.glob("*.tar"))
-        print(f"data: {args.images} images at 1500x2250 in {len(list(shards.glob('*.tar')))} shards of "
-              f"{args.shard_samples} "
-              f"({size / 1e6:.0f} MB), uploaded to {server.endpoint}; settings {SETTINGS}, num_workers={args.workers}")
-        remote, cache = "s3://bench/sa1b", work / "cache"
-
-        def ways(options: dict) -> dict:
-            signer = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-            urls = [f"pipe:curl -s -f '{signer.sign(f'bench/sa1b/{p.name}', expiration=7200)}'"
-                    for p in sorted(shards.glob("train-*.tar"))]
-            return {
-                "local": lambda: epoch(str(shards), args.workers),
-                "s3": lambda: epoch(remote, args.workers, storage_options=options),
-                "s3 1/smp": lambda: epoch(remote, args.workers, storage_options=options, read_ahead_bytes=0),
-                "s3 cold": lambda: (shutil.rmtree(cache, ignore_errors=True),
-                                    epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
-                                          cache_limit=4 * size))[1],
-                "s3 warm": lambda: epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
-                                         cache_limit=4 * size),
-                "wds s3": lambda: wds_epoch(urls, args.workers),
-            }
-
-        epoch(str(shards), args.workers)  # warm-up: page cache, imports
-        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways(options)}
-        for _ in range(args.repeats):
-            for name, run in ways(options).items():
-                results[name].append(run())
-        proxy = FaultProxy(server.s3_port)
-        used = sum(e - s for p in shards.glob("*.tar") for s, e in _sample_spans(shards, p.name))
-        samples = sum(1 for p in shards.glob("*.tar") for _ in _sample_spans(shards, p.name))
-        shapes = {}
-        for name, run in ways(storage_options(proxy.endpoint)).items():
-            if name != "local":
-                proxy.clear()
-                run()
-                shapes[name] = (len(proxy.requests) / samples, sum(r.response_bytes for r in proxy.gets()) / used)
-        proxy.close()
-        verified = {}
-        for name, source, options_ in (("local", str(shards), None), ("s3", remote, options)):
+        sizes = [int(n) for n in args.shard_samples.split(",")]
+        for per_shard in sizes:
+            shards = packed(args.images, per_shard)
+            fs.put(str(shards) + "/", f"bench/sa1b-{per_shard}/", recursive=True)
+            measure(server, shards, per_shard, work / f"cache-{per_shard}", args)
+        # Last: verify reads s3 in this process, whose forked loader workers then could not use the lean client.
+        timed = {}
+        for name, source, options in (("local", str(packed(args.images, sizes[0])), None),
+                                      ("s3", f"s3://bench/sa1b-{sizes[0]}", storage_options(server.endpoint))):
             start = time.perf_counter()
-            problems = verify(source, progress=False, storage_options=options_)
-            verified[name] = f"{time.perf_counter() - start:.1f} s ({len(problems)} problems)"
+            problems = verify(source, progress=False, storage_options=options)
+            timed[name] = f"{time.perf_counter() - start:.1f} s ({len(problems)} problems)"
+        print(f"\nshard-pack verify, {sizes[0]} a shard (every sample decoded): local {timed['local']}, "
+              f"s3 {timed['s3']}")
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
+
+def measure(server: SeaweedFS, shards: pathlib.Path, per_shard: int, cache: pathlib.Path,
+            args: argparse.Namespace) -> None:
+    """The ways over one packing of the dataset (uploaded to s3://bench/sa1b-<per_shard>): timed rounds,
+    then one epoch of each s3 way through the recording proxy; the table printed."""
+    import s3fs
+
+    remote = f"s3://bench/sa1b-{per_shard}"
+    options = storage_options(server.endpoint)
+    size = sum(p.stat().st_size for p in shards.glob("*.tar"))
+    count = len(list(shards.glob("*.tar")))
+    print(f"\ndata: {args.images} images at 1500x2250 in {count} shards of {per_shard} "
+          f"({size / 1e6:.0f} MB), uploaded to {server.endpoint}; settings {SETTINGS}, num_workers={args.workers}")
+
+    def ways(options: dict) -> dict:
+        signer = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        prefix = remote.removeprefix("s3://")
+        urls = [f"pipe:curl -s -f '{signer.sign(f'{prefix}/{p.name}', expiration=7200)}'"
+                for p in sorted(shards.glob("train-*.tar"))]
+        return {
+            "local": lambda: epoch(str(shards), args.workers),
+            "s3": lambda: epoch(remote, args.workers, storage_options=options),
+            "s3 1/smp": lambda: epoch(remote, args.workers, storage_options=options, read_ahead_bytes=0),
+            "s3 cold": lambda: (shutil.rmtree(cache, ignore_errors=True),
+                                epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
+                                      cache_limit=4 * size))[1],
+            "s3 warm": lambda: epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
+                                     cache_limit=4 * size),
+            "s3 cold c": lambda: (shutil.rmtree(cache, ignore_errors=True),
+                                  epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
+                                        cache_limit=4 * size, first_batch_by_range=False))[1],
+            "wds s3": lambda: wds_epoch(urls, args.workers),
+        }
+
+    epoch(str(shards), args.workers)  # warm-up: page cache, imports
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways(options)}
+    for _ in range(args.repeats):
+        for name, run in ways(options).items():
+            results[name].append(run())
+    proxy = FaultProxy(server.s3_port)
+    spans = {p.name: _sample_spans(shards, p.name) for p in shards.glob("*.tar")}
+    used = sum(e - s for found in spans.values() for s, e in found)
+    samples = sum(len(found) for found in spans.values())
+    sizes = {p.name: p.stat().st_size for p in shards.glob("*")}
+    shapes, where = {}, {}
+    for name, run in ways(storage_options(proxy.endpoint)).items():
+        if name != "local":
+            proxy.clear()
+            run()
+            shapes[name] = (len(proxy.requests) / samples, sum(r.response_bytes for r in proxy.gets()) / used)
+            where[name] = _where(proxy, sizes)
+    proxy.close()
     local = [statistics.median(x[i] for x in results["local"]) for i in range(3)]
     print(f"{'way':<10}{'first batch s':>15}{'x local':>9}{'samples/s':>11}{'of local':>10}{'CPU ms/smp':>12}"
-          f"{'x local':>9}{'requests/smp':>14}{'read/used':>11}")
+          f"{'x local':>9}{'requests/smp':>14}{'read/used':>11}{'requests/s':>12}")
     for name, runs in results.items():
         first, rate, cpu = (statistics.median(x[i] for x in runs) for i in range(3))
         requests, amplification = shapes.get(name, (0.0, 0.0))
         print(f"{name:<10}{first:>15.2f}{first / local[0]:>9.2f}{rate:>11.1f}{rate / local[1]:>10.0%}{cpu:>12.1f}"
-              f"{cpu / local[2]:>9.2f}{requests:>14.3f}{amplification:>11.2f}")
+              f"{cpu / local[2]:>9.2f}{requests:>14.3f}{amplification:>11.2f}{requests * rate:>12.1f}")
+    print("where the requests went:", "; ".join(f"{name}: {found}" for name, found in where.items()))
     print("targets: s3 and s3 cold samples/s >= 85% of local, CPU <= 1.15x local; first batch <= 1.5x local; "
-          "requests/sample <= 1/8")
-    print(f"shard-pack verify (every sample decoded): local {verified['local']}, s3 {verified['s3']}")
+          "s3 cold requests <= 2 a shard + the manifest + each worker's first batch")
+
+
+def _where(proxy: FaultProxy, sizes: dict[str, int]) -> str:
+    """Where an epoch's requests went: the manifest, shard indexes, whole shards, ranges of samples."""
+    counts = dict.fromkeys(("manifest", "index", "whole shard", "ranges"), 0)
+    for request in proxy.requests:
+        name = request.target.split("?")[0].rsplit("/", 1)[1]
+        if name.endswith(".tar") and request.headers.get("range", f"bytes=0-{sizes[name] - 1}") == \
+                f"bytes=0-{sizes[name] - 1}":  # (webdataset's curl asks for the whole object, with no range)
+            counts["whole shard"] += 1
+        else:
+            counts["manifest" if name == "manifest.json" else "index" if name.endswith(".idx") else "ranges"] += 1
+    return ", ".join(f"{n} {what}" for what, n in counts.items() if n)
 
 
 def _sample_spans(shards: pathlib.Path, name: str) -> list[tuple[int, int]]:
