@@ -11,7 +11,8 @@ requests each way would send are counted from it, the same way the loader makes 
              each; each worker reads the index of each shard it touches; each rank the manifest
              (a HEAD and a GET)
   cache      per node: the manifest (a GET, and a HEAD per rank), then per shard any of its ranks
-             touches one index and one download; each worker's first batch by range
+             touches one index and one download; each worker's first batch by range (none with
+             `first_batch_by_range=False`: "first batch too")
 The ranks of a node are consecutive (torchrun's order), so a node reads a contiguous stretch of the
 epoch order. Samples are taken as `--sample-bytes` each (SA-1B: ~1 MB an image with its masks).
 The whole-node figures are simulated for `--nodes-simulated` nodes spread over the job (their
@@ -49,7 +50,7 @@ def spans_of(ids: np.ndarray, per_shard: int, amplification: float) -> tuple[int
 
 def worker_requests(sizes: list[int], world: World, args: argparse.Namespace) -> dict[str, object]:
     """One worker's epoch by range: requests (its first batch's apart), samples' worth read, shards touched."""
-    plan = plan_epoch([sizes], 0, 0, world, batch_size=args.batch, window=args.window)
+    plan = plan_epoch([sizes], 0, 0, world, batch_size=args.batch, window=args.window, shuffle=args.shuffle)
     most = max(1, int(args.read_ahead_bytes / (2 * args.amplification * args.batch * args.sample_bytes)))
     batches = [ids for _, _, ids in plan]
     first, read = spans_of(batches[0], args.shard_samples, args.amplification) if batches else (0, 0)
@@ -59,24 +60,27 @@ def worker_requests(sizes: list[int], world: World, args: argparse.Namespace) ->
         requests, read = requests + more, read + bytes_
     touched = set(np.unique(np.concatenate(batches) // args.shard_samples).tolist()) if batches else set()
     return {"requests": requests, "first": first, "read": read, "touched": touched,
-            "samples": sum(len(ids) for ids in batches)}
+            "samples": sum(len(ids) for ids in batches),
+            "shards a batch": sum(np.unique(ids // args.shard_samples).size for ids in batches)}
 
 
 def node_requests(node: int, sizes: list[int], args: argparse.Namespace) -> dict[str, float]:
     """One node's epoch, each way: requests, samples, shards touched."""
-    total = dict.fromkeys(("requests", "first", "read", "samples", "indexes"), 0)
+    total = dict.fromkeys(("requests", "first", "read", "samples", "indexes", "shards a batch"), 0)
     node_shards: set[int] = set()
     for rank in range(node * args.gpus_per_node, (node + 1) * args.gpus_per_node):
         for worker in range(args.workers):
             found = worker_requests(sizes, World(rank, args.gpus, worker, args.workers), args)
-            for key in ("requests", "first", "read", "samples"):
+            for key in ("requests", "first", "read", "samples", "shards a batch"):
                 total[key] += found[key]  # type: ignore[operator]
             total["indexes"] += len(found["touched"])  # type: ignore[arg-type]
             node_shards |= found["touched"]  # type: ignore[operator]
     manifest = 2 * args.gpus_per_node  # a HEAD and a GET per rank
     return {"samples": total["samples"], "range": total["requests"] + total["indexes"] + manifest,
             "range read": total["read"] / total["samples"], "first": total["first"], "shards": len(node_shards),
-            "cache": 1 + args.gpus_per_node + 2 * len(node_shards) + total["first"]}
+            "shards a batch": total["shards a batch"] * args.batch / total["samples"],
+            "cache": 1 + args.gpus_per_node + 2 * len(node_shards) + total["first"],
+            "cache, first batch too": 1 + args.gpus_per_node + 2 * len(node_shards)}
 
 
 def cache_egress(sizes: list[int], args: argparse.Namespace) -> float:
@@ -84,7 +88,7 @@ def cache_egress(sizes: list[int], args: argparse.Namespace) -> float:
     every shard its ranks touch, whole)."""
     nodes = args.gpus // args.gpus_per_node
     per_rank = len(sizes) * args.shard_samples // (args.gpus * args.batch) * args.batch  # (drop_last spans)
-    order = get_shuffle(True)(sizes, [0, 0], args.window)
+    order = get_shuffle(args.shuffle)(sizes, [0, 0], args.window)
     downloads = 0
     for node in range(nodes):
         positions = np.arange(node * args.gpus_per_node * per_rank, (node + 1) * args.gpus_per_node * per_rank)
@@ -103,6 +107,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=20.0, help="samples/s per GPU")
     parser.add_argument("--sample-bytes", type=float, default=1e6)
     parser.add_argument("--window", type=int, default=16384)
+    parser.add_argument("--shuffle", default="shards-then-window", help="a name in pipeline.plan.SHUFFLES")
     parser.add_argument("--read-ahead-bytes", type=int, default=256 << 20)
     parser.add_argument("--amplification", type=float, default=2.0)
     parser.add_argument("--nodes-simulated", type=int, default=2)
@@ -123,18 +128,18 @@ def main() -> None:
     print(f"{args.samples:,} samples of {args.sample_bytes / 1e6:.1f} MB in shards of {args.shard_samples} "
           f"({shard_gib:.2f} GiB); {args.gpus} GPUs, {args.gpus_per_node} a node, {args.workers} workers a rank, "
           f"batch {args.batch}, {args.rate:g} samples/s a GPU: an epoch is {seconds:.0f} s")
-    print(f"a node (mean of nodes {picked}): {mean['samples']:,.0f} samples from {mean['shards']:,.0f} shards")
-    for way in ("range", "cache"):
+    print(f"a node (mean of nodes {picked}): {mean['samples']:,.0f} samples from {mean['shards']:,.0f} shards; "
+          f"shuffle {args.shuffle!r}: {mean['shards a batch']:.2f} shards a batch")
+    for way in ("range", "cache", "cache, first batch too"):
         per_sample = mean[way] / mean["samples"]
         rate = per_sample * args.samples / seconds
-        print(f"  {way:<6} {mean[way]:>9,.0f} requests a node per epoch, {per_sample:.4f} a sample; the job: "
+        print(f"  {way:<22} {mean[way]:>9,.0f} requests a node per epoch, {per_sample:.4f} a sample; the job: "
               f"{rate:>8,.0f} GET/s ({rate / S3_GETS_PER_PREFIX:.2f}x the ~{S3_GETS_PER_PREFIX:,} of one prefix)")
     print(f"  first batches: {mean['first']:,.0f} requests a node at the epoch's start; "
           f"{mean['first'] * nodes:,.0f} for the job within its first seconds")
-    used = mean["samples"] * nodes * args.sample_bytes
-    print(f"egress per epoch: by range {mean['range read']:.2f}x the samples used ({mean['range read'] * used / 1e12:.1f} "
-          f"TB), the cache {egress:.2f}x the dataset ({egress * dataset / 1e12:.1f} TB: every shard a node touches, "
-          "whole)")
+    used, read = mean["samples"] * nodes * args.sample_bytes, mean["range read"]
+    print(f"egress per epoch: by range {read:.2f}x the samples used ({read * used / 1e12:.1f} TB), the cache "
+          f"{egress:.2f}x the dataset ({egress * dataset / 1e12:.1f} TB: every shard a node touches, whole)")
     print(f"({time.perf_counter() - start:.0f} s)")
 
 

@@ -11,6 +11,7 @@ masks 256, max 64):
   local      the folder on local disk
   s3         s3://bucket/sa1b by byte range, no cache: samples of a shard read ahead in merged spans
   s3 1/smp   the same, one request per sample (read_ahead_bytes=0): the reference for spans
+  s3 blocks  by range, shuffle="shards-then-blocks" (blocks of 8 neighbours: a batch of 8 is one span)
   s3 cold    with cache_dir/cache_limit, the cache emptied before the epoch
   s3 warm    the same cache, filled by an earlier epoch
   s3 cold c  cold, each worker's first batch taken from the downloads too (first_batch_by_range=False)
@@ -150,6 +151,7 @@ def measure(server: SeaweedFS, shards: pathlib.Path, per_shard: int, cache: path
             "local": lambda: epoch(str(shards), args.workers),
             "s3": lambda: epoch(remote, args.workers, storage_options=options),
             "s3 1/smp": lambda: epoch(remote, args.workers, storage_options=options, read_ahead_bytes=0),
+            "s3 blocks": lambda: epoch(remote, args.workers, storage_options=options, shuffle="shards-then-blocks"),
             "s3 cold": lambda: (shutil.rmtree(cache, ignore_errors=True),
                                 epoch(remote, args.workers, storage_options=options, cache_dir=str(cache),
                                       cache_limit=4 * size))[1],
