@@ -4,8 +4,9 @@ A shuffle maps (shard sizes, entropy, window) to an `Order`: positions of the ep
 ids (shard-major numbering). "shards-then-window" (`shuffle=True`) permutes the shards, then the
 samples within consecutive windows of `window` samples of that sequence (locality: a window touches
 few shards); "shards-then-blocks" permutes blocks of `BLOCK` consecutive samples in those windows
-(a block is read by range in one request, at the cost of mixing within a batch). Seeds come from `numpy.random.SeedSequence` over (entropy, purpose, window), purposes
-from `pipeline.seeds`: no global state.
+(a block is read by range in one request, at the cost of mixing within a batch). Seeds come from
+`numpy.random.SeedSequence` over (entropy, purpose, window), purposes from `pipeline.seeds`: no
+global state.
 """
 
 from __future__ import annotations
