@@ -221,7 +221,8 @@ def test_a_shard_is_one_request_by_default_whatever_its_size(tmp_path):
     cache = ShardCache(str(tmp_path), 1 << 20)
     path = cache.fetch("u", len(DATA), SHA, lambda start, end: asked.append((start, end)) or read(start, end),
                        piece=100)
-    assert asked == [(0, len(DATA))] and open(path, "rb").read() == DATA
+    with open(path, "rb") as f:
+        assert asked == [(0, len(DATA))] and f.read() == DATA
 
 
 def _still_open(fd: int, out) -> None:
