@@ -153,10 +153,12 @@ class Cached:
         if data is None:
             downloads.refuse_mismatched(shard, self.url)
             started = downloads.start(shard, self.ranged)
-            if started is not None:
-                started.wait(PATIENCE)  # (until its file is there to read from: at once, or when its turn comes)
-            data = downloads.cache.read_arriving(shard.sha256, start, end,
-                                                 patience=0.0 if downloads.held else PATIENCE)
+            patience = 0.0 if downloads.held else PATIENCE
+            # (from a download running in any process of the node: this one's, or another's while this
+            # one's waits its turn; else, once this one's file is there: at once, or when its turn comes)
+            data = downloads.cache.read_arriving(shard.sha256, start, end, patience=patience)
+            if data is None and started is not None and not started.is_set() and started.wait(PATIENCE):
+                data = downloads.cache.read_arriving(shard.sha256, start, end, patience=patience)
             if data is None:
                 data = downloads.cached(self.url, shard.sha256, start, end)  # (finished meanwhile)
         if data is not None:
