@@ -2,8 +2,9 @@
 
     python bench/cluster_requests.py [--samples 11000000] [--shard-samples 1000] [--gpus 1000]
                                      [--rate 20] [--sample-bytes 1000000] [--nodes-simulated 2]
+                                     [--shuffle shards-then-window]              (or: make bench-cluster)
 
-No I/O: the plan (`plan_epoch`, the rank partition and the default shuffle) is pure, so the
+No I/O: the plan (`plan_epoch`, the rank partition and the shuffle, `--shuffle`) is pure, so the
 requests each way would send are counted from it, the same way the loader makes them:
   by range   each worker asks for its first batch alone, then chunks of as many batches as half of
              `read_ahead_bytes` holds after `read_amplification` (`schedule.Schedule._chunks`);
