@@ -46,6 +46,9 @@ class LoaderConfig:
     retry: Retry = None  # type: ignore[assignment]  # (None: Retry())
     cache_dir: str | None = None  # with cache_limit: whole shards kept on local disk (see storage.ShardCache)
     cache_limit: int | None = None
+    # With a cache: each worker's first batch is read by range (True: sooner), or taken from the node's
+    # downloads like every later one (False: no request of its own, it waits for its shards' bytes).
+    first_batch_by_range: bool = True
     read_ahead: int = 1  # batches whose samples are read while the current one decodes
     # Object storage: samples read ahead in merged byte spans (`pipeline.read.merge_spans`), at most this many
     # bytes of spans held per worker (fetched or in flight, not yet used); 0: one request per sample.
@@ -101,6 +104,8 @@ class LoaderConfig:
         if not (budget is None or is_int_at_least(budget, 0)
                 or (isinstance(budget, float) and 0 < budget < 1)):
             raise ConfigError(f"max_errors must be None, an int >= 0 or a fraction in (0, 1), got {budget!r}")
+        if not isinstance(self.first_batch_by_range, bool):
+            raise ConfigError(f"first_batch_by_range must be True or False, got {self.first_batch_by_range!r}")
         if (self.cache_dir is None) != (self.cache_limit is None):
             raise ConfigError(f"cache_dir and cache_limit go together, got {self.cache_dir!r} and {self.cache_limit!r}")
         if (self.rank is None) != (self.world_size is None):

@@ -74,7 +74,7 @@ class Schedule:
     gives each batch's samples to decode, in plan order, having located and asked for the reads of
     the batches `read_ahead` ahead (a chunk ahead, from object storage), but for the samples open
     already (`opened`); the read-ahead after the first batch, and the cache's downloads, wait for
-    `first_out`'s ticket.
+    `first_out`'s ticket (but those of the first batch itself where `first_batch_by_range` is off).
     """
 
     def __init__(self, grouped: bool, config: LoaderConfig, plan: Sequence[Item], reads: SampleReads, opened: Opened,
@@ -88,8 +88,8 @@ class Schedule:
         chunks = self._chunks()
         asked = last = start  # batches asked for; the first batch of the last chunk asked for
         prepared: dict[int, list[tuple[Located, Any]]] = {}
-        if chunks is not None:  # (from object storage, the first batch's own reads only, by range)
-            self.reads.hold_downloads()
+        if chunks is not None and cfg.first_batch_by_range:  # (from object storage: the first batch's reads only,
+            self.reads.hold_downloads()  # by range; else from the cache's downloads, started at once)
         for i in range(start, len(plan)):
             if i == start + 1:
                 self._wait_first_out()

@@ -48,6 +48,7 @@ class Purpose(enum.IntEnum):
     HFLIP = 8
     SCALE_JITTER = 9
     CROP = 10
+    BLOCK_ORDER = 11
 
 
 @enum.unique

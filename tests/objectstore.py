@@ -33,7 +33,7 @@ class Request:
 
 @dataclasses.dataclass
 class _Fault:
-    mode: str  # "slowdown", "error500", "cut", "reset", "stall"
+    mode: str  # "slowdown", "error500", "cut", "reset", "stall", "delay"
     count: int
     after_bytes: int
     seconds: float
@@ -61,7 +61,8 @@ class FaultProxy:
       `answers` gives another server's words for both, and may name more modes answered so);
     - "cut": relays the response head and `after_bytes` of the body, then closes the connection;
     - "reset": resets the connection (RST) before answering;
-    - "stall": holds the connection silent for `seconds`, then closes it.
+    - "stall": holds the connection silent for `seconds`, then closes it;
+    - "delay": waits `seconds`, then passes the request on (a slow answer, not a failure).
 
     With `credentials` (access key ID -> "valid", "expired" or anything else), it plays a server that
     issues temporary credentials: a request signed with an expired one is answered 400 ExpiredToken,
@@ -87,7 +88,7 @@ class FaultProxy:
 
     def fault(self, mode: str, count: int = 1, *, after_bytes: int = 0, seconds: float = 0.0,
               match: Callable[[Request], bool] = lambda r: True) -> None:
-        assert mode in ("cut", "reset", "stall") or mode in self.answers, mode
+        assert mode in ("cut", "reset", "stall", "delay") or mode in self.answers, mode
         with self._lock:
             self.faults.append(_Fault(mode, count, after_bytes, seconds, match))
 
@@ -170,7 +171,10 @@ class FaultProxy:
             elif fault is not None and fault.mode == "stall":
                 await asyncio.sleep(fault.seconds)
             else:
-                await self._forward(lines, body, writer, request, fault)
+                if fault is not None and fault.mode == "delay":
+                    await asyncio.sleep(fault.seconds)
+                cut = fault if fault is not None and fault.mode == "cut" else None
+                await self._forward(lines, body, writer, request, cut)
         except ConnectionError:
             pass
         finally:

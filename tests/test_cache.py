@@ -14,9 +14,12 @@ import time
 import pytest
 
 import pipeline.storage.cache as cache_module
+import pipeline.storage.reader as reader
 from pipeline.errors import ShardError
+from pipeline.format import ShardInfo
 from pipeline.storage import ShardCache, locks
 from pipeline.storage.cache import Mismatch
+from pipeline.storage.local import MappedFiles
 
 DATA = random.Random(0).randbytes(3 * 1000 + 17)  # (the same in a spawned process)
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -209,8 +212,20 @@ def test_a_failing_piece_stops_the_download(tmp_path):
         yield from _reader(DATA, pause=0.01)(start, end)
 
     with pytest.raises(ShardError, match="cannot read bytes"):
-        cache.fetch("u", len(DATA), SHA, read, piece=1000)
+        cache.fetch("u", len(DATA), SHA, read, parallel=4, piece=1000)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_shard_is_one_request_by_default_whatever_its_size(tmp_path):
+    """The node's requests for a shard are its index and its download: one `read` (one streamed
+    request), not one per piece (before: up to 4 of a shard over 16 MiB)."""
+    asked = []
+    read = _reader(DATA)
+    cache = ShardCache(str(tmp_path), 1 << 20)
+    path = cache.fetch("u", len(DATA), SHA, lambda start, end: asked.append((start, end)) or read(start, end),
+                       piece=100)
+    with open(path, "rb") as f:
+        assert asked == [(0, len(DATA))] and f.read() == DATA
 
 
 def _still_open(fd: int, out) -> None:
@@ -240,3 +255,72 @@ def test_a_forked_child_closes_only_the_locked_files_it_was_given(tmp_path):
         locks.close(held)
         locks.unlock(reused)
         os.close(reused)
+
+
+def test_a_reader_waits_for_a_download_about_to_start_instead_of_reading_by_range(tmp_path):
+    """A process that took the shard's download lock but has not made its file yet: a reader waits for
+    the file (before: it found none and read the bytes by range, a request the node's download saves);
+    with no lock there, it does not wait."""
+    cache = ShardCache(str(tmp_path), 1 << 20)
+    assert cache.read_arriving(SHA, 0, 100, patience=30) is None  # (no download: at once)
+    (tmp_path / f"{SHA}.tar.lock").touch()  # (taken, the download's file not made yet)
+    later = []
+    reader = threading.Thread(target=lambda: later.append(cache.read_arriving(SHA, 0, 100, patience=30)))
+    reader.start()
+    time.sleep(0.2)
+    assert reader.is_alive() and later == []
+    cache.fetch("u", len(DATA), SHA, _reader(DATA))
+    reader.join(30)
+    assert later == [DATA[:100]] or later == [None] and cache.lookup("u", SHA) is not None
+
+
+class _Object:
+    """A shard's object behind a `Ranged`'s names: `stream` (a download) waits for `gate`; every
+    request is recorded."""
+
+    def __init__(self, data: bytes, gate: threading.Event | None = None) -> None:
+        self.url, self.data, self.gate, self.requests = "s3://b/s.tar", data, gate, []
+
+    def stream(self, start: int, end: int):
+        self.requests.append(("stream", start, end))
+        if self.gate is not None and not self.gate.wait(60):
+            raise AssertionError("the test never let the download go on")
+        yield self.data[start:end]
+
+    def known_size(self) -> int:
+        return len(self.data)
+
+    def read(self, start: int, end: int) -> bytes:
+        self.requests.append(("read", start, end))
+        return self.data[start:end]
+
+
+def test_a_read_takes_another_process_download_while_its_own_waits_its_turn(tmp_path, monkeypatch):
+    """This process's one download slot is taken; the shard asked for is being downloaded by another
+    process of the node: its bytes come from that download at once, with no request of this process
+    (not after this process's own download of it has waited its turn)."""
+    monkeypatch.setattr(reader, "DOWNLOADS", 1)
+    cache, gate, hold = ShardCache(str(tmp_path), 1 << 20), threading.Event(), threading.Event()
+    downloads = reader.Downloads(cache, MappedFiles(str(tmp_path)))
+    other = random.Random(1).randbytes(500)
+    busy = _Object(other, gate)
+    downloads.start(ShardInfo("other.tar", 1, 1, len(other), hashlib.sha256(other).hexdigest(), None), busy)
+    elsewhere = threading.Thread(target=cache.fetch, args=("u", len(DATA), SHA, _reader(DATA, hold=hold)))
+    elsewhere.start()  # (the other process's download, held before its last chunk)
+    wanted = _Object(DATA)
+    got = []
+    try:
+        deadline = time.monotonic() + 30
+        while cache.read_arriving(SHA, 0, 100, patience=0.05) is None and time.monotonic() < deadline:
+            pass
+        asking = threading.Thread(target=lambda: got.append(
+            reader.Cached(downloads, wanted, ShardInfo("s.tar", 1, 1, len(DATA), SHA, None)).read(0, 100)))
+        asking.start()
+        asking.join(10)
+        assert got == [DATA[:100]] and wanted.requests == [], "from the other process's download, at once"
+    finally:
+        gate.set()
+        hold.set()
+        elsewhere.join(60)
+        downloads.settle()
+    assert busy.requests == [("stream", 0, len(other))] and wanted.requests == []

@@ -30,6 +30,7 @@ def test_keywords_only_and_defaults():
     ({"on_error": "ignore"}, "on_error must be 'raise' or 'skip'"),
     ({"max_errors": 1.5}, "max_errors must be None"),
     ({"cache_dir": "/tmp/x"}, "cache_dir and cache_limit go together"),
+    ({"first_batch_by_range": "no"}, "first_batch_by_range must be True or False, got 'no'"),
     ({"rank": 0}, "rank and world_size go together"),
     ({"rank": 2, "world_size": 0}, "world_size must be an int >= 1"),
 ])

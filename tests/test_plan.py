@@ -13,6 +13,7 @@ from pipeline.plan import (
     Mix, PlanError, Resume, World, epoch_order, epoch_samples, mixed_order, plan_epoch, rank_batch_count, rank_batch_sizes,
     rank_positions, rank_sample_count, SHUFFLES, get_shuffle, shuffle_name,
 )
+from pipeline.plan.shuffle import BLOCK
 
 SIZES = {
     "fewer shards than workers": [9],
@@ -441,6 +442,21 @@ def test_every_shuffle_is_a_deterministic_permutation_asked_in_any_chunks(name):
     assert np.array_equal(epoch_order(sizes, [5, 2], name, 8, np.arange(total)), whole)
     picked = np.array([total - 1, 3, 17, 0, 3])
     assert np.array_equal(get_shuffle(name)(sizes, [5, 2], 8)(picked), whole[picked])
+
+
+def test_shards_then_blocks_keeps_blocks_of_neighbours_together():
+    """Each aligned block of BLOCK positions holds BLOCK neighbours of one shard (shards and windows of
+    multiples of BLOCK), in an order of its own; the blocks are permuted within their window."""
+    sizes = [64, 0, 48, 128, 16]
+    total, window = sum(sizes), 32
+    order = epoch_order(sizes, [3, 1], "shards-then-blocks", window, np.arange(total))
+    for start in range(0, total, BLOCK):
+        block = np.sort(order[start : start + BLOCK])
+        assert block[0] % BLOCK == 0 and np.array_equal(block, np.arange(block[0], block[0] + BLOCK)), start
+    assert not all(np.array_equal(order[s : s + BLOCK], np.sort(order[s : s + BLOCK])) for s in range(0, total, BLOCK))
+    windowed = epoch_order(sizes, [3, 1], "shards-then-window", window, np.arange(total))
+    for start in range(0, total, window):  # (the same shards, in the same windows)
+        assert sorted(order[start : start + window]) == sorted(windowed[start : start + window])
 
 
 def test_shuffle_true_and_false_are_table_entries():

@@ -33,6 +33,7 @@ from pipeline.config import LoaderConfig
 from pipeline.errors import ManifestError, ShardError, about_sample
 from pipeline.format import Manifest
 from pipeline.storage import Retry, filesystem, read_range
+import pipeline.storage.reader as shard_reader
 from pipeline.storage.ranged import ranged_reader
 from pipeline.storage.retry import transient
 from pipeline.storage.s3 import S3Error
@@ -258,6 +259,70 @@ def test_cache_fetches_each_shard_once_for_two_workers_then_serves_locally(remot
     proxy.clear()
     _same(_epoch(remote, **options), local)  # warm: no shard, index or manifest download at all
     assert [r.target for r in proxy.gets()] == [] and {r.method for r in proxy.requests} <= {"HEAD"}
+
+
+def _node_rank(source: str, endpoint: str, cache: str, rank: int, by_range: bool, out) -> None:
+    """One rank of a node of two (a process of its own, 2 DataLoader workers, batches of 1), through the
+    node's cache, one download at a time per process (so that downloads wait their turn): its batches'
+    keys and the SHA-256 of their tensors."""
+    shard_reader.DOWNLOADS = 1  # (the workers forked from this process inherit it)
+    loader = make_stream_loader(source, "train", batch_size=1, num_workers=2, multiprocessing_context="fork",
+                                rank=rank, world_size=2, seed=5, storage_options=storage_options(endpoint),
+                                cache_dir=cache, cache_limit=1 << 30, first_batch_by_range=by_range, **SMALL)
+    loader.set_epoch(1)
+    out.put((rank, _digests(loader)))
+
+
+def _digests(batches) -> list[tuple[list[str], dict[str, str]]]:
+    return [(batch["keys"], {name: hashlib.sha256(batch[name].numpy().tobytes()).hexdigest()
+                             for name in ("images", "masks", "boxes", "mask_counts")}) for batch in batches]
+
+
+@pytest.mark.parametrize("by_range", [True, False])
+def test_a_node_of_two_ranks_fetches_each_shard_and_index_once_and_only_first_batches_by_range(
+        sa1b_src, server, proxy, tmp_path, by_range):
+    """Two ranks of one node, 2 workers each, sharing the cache: the node's requests are the manifest
+    (a HEAD per rank, one GET), each shard's index and each shard's download (one request each), and
+    each worker's first batch by range (none with `first_batch_by_range=False`); no sample waiting for
+    its shard's download is read by range (before: 1 download at a time per process left the others'
+    samples to ranges). Each rank's batches are those from local disk, sample for sample."""
+    bucket = new_bucket(server)
+    pack(Sa1bSource(), [str(sa1b_src)], f"{tmp_path}/two", PackOptions(shard_samples=1), progress=False)
+    s3fs.S3FileSystem(**storage_options(server.endpoint), skip_instance_cache=True).put(
+        f"{tmp_path}/two/", f"{bucket}/two/", recursive=True)
+    shards = Manifest.from_json((tmp_path / "two" / "manifest.json").read_bytes(), "m").splits["train"]
+    sizes = {s.name: s.bytes for s in shards}
+
+    def download(request) -> bool:
+        name = request.target.split("?")[0].rsplit("/", 1)[1]
+        return name in sizes and request.headers.get("range") == f"bytes=0-{sizes[name] - 1}"
+
+    proxy.fault("delay", count=1000, seconds=0.5, match=download)  # (downloads take a while: others wait their turn)
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    ranks = [context.Process(target=_node_rank, args=(f"s3://{bucket}/two", proxy.endpoint, str(tmp_path / "cache"),
+                                                      rank, by_range, out)) for rank in (0, 1)]
+    for rank in ranks:
+        rank.start()
+    results = dict(out.get(timeout=300) for _ in ranks)
+    for rank in ranks:
+        rank.join(timeout=60)
+    for rank in (0, 1):
+        local = make_stream_loader(f"{tmp_path}/two", "train", batch_size=1, num_workers=0, rank=rank, world_size=2,
+                                   seed=5, **SMALL)
+        local.set_epoch(1)
+        assert results[rank] == _digests(local), f"rank {rank}"
+    named = [(r, r.target.split("?")[0].rsplit("/", 1)[1]) for r in proxy.requests]
+    whole = sorted(n for r, n in named if download(r))
+    spans = [n for r, n in named if r.method == "GET" and n in sizes and not download(r)]
+    assert whole == sorted(sizes), "each shard downloaded once, by one request"
+    assert sorted(n for _, n in named if n.endswith(".idx")) == sorted(s.index.name for s in shards), \
+        "each index fetched once for the node"
+    assert [(r.method, n) for r, n in named if n == "manifest.json"].count(("GET", "manifest.json")) == 1
+    first_batches = 2 * 2 * 1 if by_range else 0
+    assert len(spans) <= first_batches, f"only each worker's first batch by range: {spans}"
+    assert len(proxy.requests) <= 2 * len(shards) + 1 + 2 + first_batches, \
+        "2 a shard, the manifest, a HEAD per rank, first batches"
 
 
 def test_cache_stays_under_its_limit_evicting_least_recently_used(remote, sa1b_dataset, proxy, tmp_path):

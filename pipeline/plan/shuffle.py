@@ -3,8 +3,10 @@
 A shuffle maps (shard sizes, entropy, window) to an `Order`: positions of the epoch -> global sample
 ids (shard-major numbering). "shards-then-window" (`shuffle=True`) permutes the shards, then the
 samples within consecutive windows of `window` samples of that sequence (locality: a window touches
-few shards). Seeds come from `numpy.random.SeedSequence` over (entropy, purpose, window), purposes
-from `pipeline.seeds`: no global state.
+few shards); "shards-then-blocks" permutes blocks of `BLOCK` consecutive samples in those windows
+(a block is read by range in one request, at the cost of mixing within a batch). Seeds come from
+`numpy.random.SeedSequence` over (entropy, purpose, window), purposes from `pipeline.seeds`: no
+global state.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import numpy as np
 from pipeline.errors import ConfigError
 from pipeline.seeds import Purpose
 
-__all__ = ["Order", "Shuffle", "SHUFFLES", "shuffle_name", "get_shuffle", "epoch_order"]
+__all__ = ["BLOCK", "Order", "Shuffle", "SHUFFLES", "shuffle_name", "get_shuffle", "epoch_order"]
+
+BLOCK = 8  # samples that "shards-then-blocks" keeps together
 
 Order = Callable[[np.ndarray], np.ndarray]  # positions of an epoch -> global sample ids (shard-major numbering)
 Shuffle = Callable[[Sequence[int], Sequence[int], int], Order]  # (shard sizes, entropy, window) -> an order
@@ -44,11 +48,14 @@ class _ShardsThenWindow:
 
     def _window_permutation(self, w: int) -> np.ndarray:
         if w not in self.windows:
-            rng = np.random.default_rng([*self.entropy, Purpose.WINDOW_ORDER, w])
-            self.windows[w] = rng.permutation(min(self.window, self.total - w * self.window))
+            self.windows[w] = self._draw(w, min(self.window, self.total - w * self.window))
             if len(self.windows) > 4:
                 self.windows.popitem(last=False)
         return self.windows[w]
+
+    def _draw(self, w: int, size: int) -> np.ndarray:
+        """Window `w`'s permutation of its `size` samples."""
+        return np.random.default_rng([*self.entropy, Purpose.WINDOW_ORDER, w]).permutation(size)
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
@@ -64,11 +71,24 @@ class _ShardsThenWindow:
         return self.first_id[self.shard_order[shard]] + sequence - self.seq_start[shard]
 
 
+class _ShardsThenBlocks(_ShardsThenWindow):
+    """As "shards-then-window", but a window permutes blocks of `BLOCK` consecutive samples of the
+    shard-permuted sequence (the samples of a block permuted among themselves): an aligned batch of
+    `BLOCK` is one block, neighbours in a shard, so reading by range merges it into one span. Less
+    mixing: a batch's samples come from one shard (two where a block spans a shard's end)."""
+
+    def _draw(self, w: int, size: int) -> np.ndarray:
+        rng = np.random.default_rng([*self.entropy, Purpose.BLOCK_ORDER, w])
+        place = rng.permutation(-(-size // BLOCK))  # each block's place in the window
+        return np.lexsort((rng.random(size), place[np.arange(size) // BLOCK]))
+
+
 # The shuffles, by name. A new shuffle is a function here (or a module beside this one) and an entry in
 # this table; it must be a permutation that depends on its arguments only.
 SHUFFLES: dict[str, Shuffle] = {
     "none": _in_order,
     "shards-then-window": _ShardsThenWindow,
+    "shards-then-blocks": _ShardsThenBlocks,
 }
 
 

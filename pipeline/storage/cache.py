@@ -70,6 +70,21 @@ def _covered(table: np.ndarray, start: int, end: int) -> bool:
     return True
 
 
+def _download_file(path: str, deadline: float) -> int | None:
+    """The file of the shard's download (the shard's `path`), open for reading; None if no download of it
+    runs. A download whose lock is taken but whose file is not made yet (a process of the node about to
+    start it, or finding it cached) is waited for until `deadline`: not to read its bytes by range meanwhile."""
+    pause = 0.001
+    while True:
+        try:
+            return os.open(f"{path}.partial-{_STREAMED}", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not os.path.exists(path + ".lock") or os.path.exists(path) or time.monotonic() > deadline:
+                return None
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+
+
 def _live(fd: int) -> bool:
     """Whether the download whose file is open at `fd` is still running (its writer holds the lock)."""
     if not locks.lock(fd, shared=True, wait=False):
@@ -237,11 +252,12 @@ class ShardCache:
         return None
 
     def fetch(self, url: str, size: int, sha256: str, read: Callable[[int, int], Iterator[bytes | memoryview]], *,
-              parallel: int = 4, piece: int = 16 << 20, actual_size: Callable[[], int] | None = None,
+              parallel: int = 1, piece: int = 16 << 20, actual_size: Callable[[], int] | None = None,
               started: Callable[[], None] = lambda: None) -> str | None:
         """The local path of the shard, downloading it if needed (None if another process is downloading
-        it): `read(start, end)` yields the bytes [start, end) in order. A shard over `piece` bytes
-        downloads in up to `parallel` pieces at once.
+        it): `read(start, end)` yields the bytes [start, end) in order. By default a shard is one `read`
+        (one streamed request: the node's requests for a shard are its index and this); with `parallel`
+        over 1, a shard over `piece` bytes downloads in up to `parallel` pieces at once.
         While it arrives, readers in any process take the bytes already there (`read_arriving`), and
         its SHA-256 is computed as its bytes arrive. `actual_size()`: the object's size, asked for once the
         first request is answered (an answer may say it: `Ranged.known_size`) and before any space is
@@ -314,12 +330,12 @@ class ShardCache:
         have arrived; None if no download of it is running, or it ends or stalls (`patience` seconds
         without the bytes): then look it up, or read it by range."""
         path = os.path.join(self.directory, f"{sha256}.tar")
-        try:
-            fd = os.open(f"{path}.partial-{_STREAMED}", os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        deadline = time.monotonic() + patience
+        fd = _download_file(path, deadline)
+        if fd is None:
             return None
         try:
-            deadline, pause = time.monotonic() + patience, 0.001
+            pause = 0.001
             while True:
                 try:
                     with open(path + _ARRIVED, "rb") as f:

@@ -25,10 +25,11 @@ from pipeline.storage.places import Places
 from pipeline.storage.ranged import Ranged, client_for, ranged_reader
 from pipeline.storage.retry import Retry, describe
 
-__all__ = ["DOWNLOADS", "Cached", "Downloads", "Mapped", "ShardReader", "Way"]
+__all__ = ["DOWNLOADS", "PATIENCE", "Cached", "Downloads", "Mapped", "ShardReader", "Way"]
 
 log = logging.getLogger("pipeline.storage")
 DOWNLOADS = 8  # shards a process downloads into the cache at once
+PATIENCE = 60.0  # seconds a read waits for its shard's download to start, then for its bytes, before reading by range
 
 
 class _Hashed:
@@ -132,9 +133,11 @@ class Mapped:
 @dataclasses.dataclass
 class Cached:
     """A shard on object storage through the node's shard cache: from its cached copy (mapped), else
-    from its download while it arrives (started here if no process of the node runs it; while the
-    reader's downloads are held, only bytes already there), else by range. A shard whose download
-    found another object than the manifest's (`cache.Mismatch`) is a ShardError from then on."""
+    from its download while it arrives (started here if no process of the node runs it, and waited
+    for while it waits its turn; while the reader's downloads are held, only bytes already there),
+    else by range: the node's requests for a shard are its download, not a span per worker. A shard
+    whose download found another object than the manifest's (`cache.Mismatch`) is a ShardError from
+    then on."""
 
     downloads: Downloads
     ranged: Ranged
@@ -150,9 +153,12 @@ class Cached:
         if data is None:
             downloads.refuse_mismatched(shard, self.url)
             started = downloads.start(shard, self.ranged)
-            if started is not None:
-                started.wait(60.0)  # (until its file is there to read from: it starts at once)
-            data = downloads.cache.read_arriving(shard.sha256, start, end, patience=0.0 if downloads.held else 60.0)
+            patience = 0.0 if downloads.held else PATIENCE
+            # (from a download running in any process of the node: this one's, or another's while this
+            # one's waits its turn; else, once this one's file is there: at once, or when its turn comes)
+            data = downloads.cache.read_arriving(shard.sha256, start, end, patience=patience)
+            if data is None and started is not None and not started.is_set() and started.wait(PATIENCE):
+                data = downloads.cache.read_arriving(shard.sha256, start, end, patience=patience)
             if data is None:
                 data = downloads.cached(self.url, shard.sha256, start, end)  # (finished meanwhile)
         if data is not None:
@@ -206,8 +212,9 @@ class Downloads:
 
     def start(self, shard: ShardInfo, ranged: Ranged) -> threading.Event | None:
         """Start the shard's download into the cache unless this process runs it already: an event set
-        once its file is there for readers (`cache.read_arriving`), or it ended; None while held, or
-        while it waits for one of the `DOWNLOADS` running (not worth waiting for: read by range meanwhile)."""
+        once its file is there for readers (`cache.read_arriving`), or it ended; None while held. A
+        download waiting for one of the `DOWNLOADS` running is waited for too (it was read by range
+        meanwhile: a request per span of each worker, what the node's one download is there to save)."""
         name = shard.name
         with self._lock:
             if self.held:
@@ -215,7 +222,7 @@ class Downloads:
                 return None
             url, running = self._running.get(name, (ranged.url, None))
             if running is not None and not running.done():
-                return self._started[name] if running.running() else None
+                return self._started[name]
             if running is not None and running.exception() is not None:
                 failed = running.exception()
                 log.log(logging.INFO if isinstance(failed, CacheFull) else logging.WARNING,
@@ -228,7 +235,9 @@ class Downloads:
                                        actual_size=ranged.known_size, started=started.set)
             future.add_done_callback(lambda done: (started.set(), self._settled(name, done)))
             self._running[name] = (url, future)
-            return started if busy < DOWNLOADS else None
+            if busy >= DOWNLOADS:
+                log.debug("%s: download waits for one of the %d running", ranged.url, busy)
+            return started
 
     def _settled(self, name: str, future: concurrent.futures.Future[str | None]) -> None:
         exc = None if future.cancelled() else future.exception()
