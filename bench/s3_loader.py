@@ -47,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -217,7 +218,7 @@ def _where(proxy: FaultProxy, sizes: dict[str, int]) -> str:
     """Where an epoch's requests went: the manifest, shard indexes, whole shards, ranges of samples."""
     counts = dict.fromkeys(("manifest", "index", "whole shard", "ranges"), 0)
     for request in proxy.requests:
-        name = request.target.split("?")[0].rsplit("/", 1)[1]
+        name = urllib.parse.unquote(request.target.split("?")[0]).rsplit("/", 1)[1]  # (gcsfs quotes object names)
         if name.endswith(".tar") and request.headers.get("range", f"bytes=0-{sizes[name] - 1}") == \
                 f"bytes=0-{sizes[name] - 1}":  # (webdataset's curl asks for the whole object, with no range)
             counts["whole shard"] += 1
