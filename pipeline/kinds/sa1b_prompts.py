@@ -12,6 +12,7 @@ frame (h, w); a pixel (column c, row r) covers [c, c + 1) x [r, r + 1) in its fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,12 @@ class Draw:
     key: str
 
     def rng(self, purpose: Purpose) -> np.random.Generator:
-        return sample_rng(self.seed, self.epoch, purpose, key_entropy(self.key))
+        return sample_rng(self.seed, self.epoch, purpose, self.entropy)
+
+    @functools.cached_property
+    def entropy(self) -> int:
+        """The key as entropy (`key_entropy`), hashed once for all of the sample's draws."""
+        return key_entropy(self.key)
 
 
 def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.ndarray:
