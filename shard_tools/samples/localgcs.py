@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from typing import Any
 
-from shard_tools.samples.locals3 import HOST, free_ports
+from shard_tools.samples.locals3 import HOST, LocalServer, free_ports
 
 __all__ = ["GCS_ENV", "FakeGCS", "storage_options"]
 
@@ -36,49 +32,19 @@ def _binary() -> pathlib.Path:
     return found[0]
 
 
-class FakeGCS:
+class FakeGCS(LocalServer):
     """fake-gcs-server on a free loopback port, its objects under `directory`."""
 
-    def __init__(self, directory: pathlib.Path) -> None:
-        self.directory = directory.resolve()
-        self.process: subprocess.Popen[bytes] | None = None
-        self.port = 0
+    NAME, LOG = "fake-gcs-server", "fake-gcs-server.log"
 
-    def start(self, timeout: float = 30.0) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def command(self) -> list[str]:
         (self.port,) = free_ports(1)
-        args = [str(_binary()), "-scheme", "http", "-host", HOST, "-port", str(self.port), "-public-host", HOST,
+        return [str(_binary()), "-scheme", "http", "-host", HOST, "-port", str(self.port), "-public-host", HOST,
                 "-external-url", self.endpoint, "-backend", "filesystem",
                 "-filesystem-root", str(self.directory / "data"), "-log-level", "warn"]
-        self.log = open(self.directory / "fake-gcs-server.log", "wb")  # closed in stop()
-        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.directory,
-                                        env={"PATH": os.environ.get("PATH", ""), "HOME": str(self.directory)})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                urllib.request.urlopen(f"{self.endpoint}/storage/v1/b", timeout=1)
-                return
-            except urllib.error.HTTPError:  # (an answer: the server is up)
-                return
-            except OSError:
-                time.sleep(0.1)
-        tail = (self.directory / "fake-gcs-server.log").read_bytes()[-3000:].decode(errors="replace")
-        self.stop()
-        raise RuntimeError(f"fake-gcs-server did not start within {timeout} s:\n{tail}")
 
-    @property
-    def endpoint(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
+    def ready_url(self) -> str:
+        return f"{self.endpoint}/storage/v1/b"
 
 
 def storage_options(endpoint: str, **options: Any) -> dict[str, Any]:

@@ -46,52 +46,48 @@ def _weed() -> str:
     return path
 
 
-class SeaweedFS:
-    """`weed mini` (master, volume, filer, S3) on free loopback ports, data under `directory`."""
+class LocalServer:
+    """A server process on 127.0.0.1 for the demo, tests and benchmarks: started by `start` on the
+    command line `command()` gives (which picks its ports), its output in `directory`/`LOG`, ready
+    once its `ready_url()` answers anything; `stop` terminates it (then kills it). A scheme's server
+    says only what differs."""
+
+    NAME = "the server"
+    LOG = "server.log"
 
     def __init__(self, directory: pathlib.Path) -> None:
         self.directory = directory.resolve()
         self.process: subprocess.Popen[bytes] | None = None
-        self.s3_port = 0
+        self.port = 0
 
-    def start(self, timeout: float = 60.0) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        config = self.directory / "s3.json"
-        config.write_text('{"identities": [{"name": "test", "credentials": [{"accessKey": "%s", "secretKey": "%s"}], '
-                          '"actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}' % (KEY, SECRET))
-        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin = free_ports(9)
-        self.s3_port = s3
-        args = [
-            _weed(), "mini", f"-dir={self.directory / 'data'}", f"-ip={HOST}", f"-ip.bind={HOST}",
-            "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            f"-master.port={master}", f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
-            f"-volume.port.grpc={volume_grpc}", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-            f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-admin.port={admin}", f"-s3.config={config}",
-            "-s3.autoCreateBucket=false", f"-filer.localSocket={self.directory / 'filer.sock'}",
-            f"-s3.localSocket={self.directory / 's3.sock'}",
-        ]
-        self.log = open(self.directory / "weed.log", "wb")  # closed in stop()
-        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.directory,
-                                        env={"PATH": os.environ.get("PATH", ""), "HOME": str(self.directory)})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            try:
-                urllib.request.urlopen(f"{self.endpoint}/", timeout=1)
-            except urllib.error.HTTPError:  # an S3 error answer (403): the server is up
-                return
-            except OSError:
-                time.sleep(0.2)
-                continue
-            return
-        tail = (self.directory / "weed.log").read_bytes()[-3000:].decode(errors="replace")
-        self.stop()
-        raise RuntimeError(f"SeaweedFS did not start within {timeout} s:\n{tail}")
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready_url(self) -> str:
+        return f"{self.endpoint}/"
 
     @property
     def endpoint(self) -> str:
-        return f"http://{HOST}:{self.s3_port}"
+        return f"http://{HOST}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = self.command()
+        self.log = open(self.directory / self.LOG, "wb")  # closed in stop()
+        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.directory,
+                                        env={"PATH": os.environ.get("PATH", ""), "HOME": str(self.directory)})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                urllib.request.urlopen(self.ready_url(), timeout=1)
+                return
+            except urllib.error.HTTPError:  # an error answer (403, say): the server is up
+                return
+            except OSError:
+                time.sleep(0.2)
+        tail = (self.directory / self.LOG).read_bytes()[-3000:].decode(errors="replace")
+        self.stop()
+        raise RuntimeError(f"{self.NAME} did not start within {timeout} s:\n{tail}")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -104,7 +100,34 @@ class SeaweedFS:
         self.log.close()
 
 
-__all__ = ["HOST", "KEY", "SECRET", "AWS_ENV", "SeaweedFS", "free_ports", "storage_options"]
+class SeaweedFS(LocalServer):
+    """`weed mini` (master, volume, filer, S3) on free loopback ports, data under `directory`; `port`
+    (also `s3_port`) is its S3 API's."""
+
+    NAME, LOG = "SeaweedFS", "weed.log"
+
+    @property
+    def s3_port(self) -> int:
+        return self.port
+
+    def command(self) -> list[str]:
+        config = self.directory / "s3.json"
+        config.write_text('{"identities": [{"name": "test", "credentials": [{"accessKey": "%s", "secretKey": "%s"}], '
+                          '"actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}' % (KEY, SECRET))
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin = free_ports(9)
+        self.port = s3
+        return [
+            _weed(), "mini", f"-dir={self.directory / 'data'}", f"-ip={HOST}", f"-ip.bind={HOST}",
+            "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            f"-master.port={master}", f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
+            f"-volume.port.grpc={volume_grpc}", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+            f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-admin.port={admin}", f"-s3.config={config}",
+            "-s3.autoCreateBucket=false", f"-filer.localSocket={self.directory / 'filer.sock'}",
+            f"-s3.localSocket={self.directory / 's3.sock'}",
+        ]
+
+
+__all__ = ["HOST", "KEY", "SECRET", "AWS_ENV", "LocalServer", "SeaweedFS", "free_ports", "storage_options"]
 
 
 def storage_options(endpoint: str, key: str = KEY, secret: str = SECRET, **config: Any) -> dict[str, Any]:
