@@ -11,6 +11,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -164,3 +165,22 @@ def test_packers_read_and_write_s3_with_the_options_given(server, sa1b_src, tmp_
                 {n: _members(d) for n, d in packed.items() if n.endswith(".tar")}
         assert all(SECRET.encode() not in data for data in written.values())
     capsys.readouterr()
+
+
+# `shard-pack` where s3fs cannot be imported: a ConfigError (exit 2) naming the extra, not a traceback.
+_NO_S3FS = """
+import sys
+sys.modules["s3fs"] = sys.modules["aiobotocore"] = sys.modules["aiobotocore.session"] = None
+from shard_tools.cli import main
+sys.exit(main(["inspect", "s3://bucket/data"]))
+"""
+
+
+def test_a_missing_s3fs_is_a_clear_error():
+    repo = str(pathlib.Path(__file__).resolve().parent.parent)
+    run = subprocess.run([sys.executable, "-c", _NO_S3FS], cwd=repo, env={**os.environ, "PYTHONPATH": repo,
+                                                                          "AWS_EC2_METADATA_DISABLED": "true"},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "s3://bucket/data" in run.stderr and "pip install 'shardstream[s3]'" in run.stderr, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr

@@ -21,7 +21,7 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.errors import ShardError
+from pipeline.errors import ConfigError, ShardError
 from pipeline.storage.azure import SCHEMES as AZURE_SCHEMES
 from pipeline.storage.azure import filesystem as adlfs_filesystem
 import pipeline.storage.gcs as gcs
@@ -63,14 +63,18 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
 
 
 def _s3fs(url: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
-    """s3fs's filesystem with its own and botocore's retries off, unless the options set them."""
+    """s3fs's filesystem with its own and botocore's retries off, unless the options set them; a
+    ConfigError naming the URL where s3fs is missing."""
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
     options = {**options, "config_kwargs": config}
     options.setdefault("skip_instance_cache", True)  # our instance: its `retries` below is ours to set
     options.setdefault("use_listings_cache", False)
-    options.setdefault("session", _botocore_session())
-    fs, _ = url_to_fs(url, **options)
+    try:
+        options.setdefault("session", _botocore_session())
+        fs, _ = url_to_fs(url, **options)
+    except ImportError as exc:
+        raise ConfigError(f"{url}: reading or writing S3 needs s3fs ({exc}): pip install 'shardstream[s3]'") from exc
     if "retries" not in options:
         fs.retries = 1  # s3fs's own loop: one try
     return fs
