@@ -65,8 +65,11 @@ def client(url: str, storage_options: dict[str, Any] | None) -> tuple[GCSClient,
 
 def filesystem(url: str, storage_options: dict[str, Any]) -> AbstractFileSystem:
     """gcsfs's filesystem for the URL, its own instance (its listings cache off), trying each request
-    once; a ConfigError naming the URL where gcsfs is missing."""
+    once, each bounded by `requests_timeout` (default 300 s, as the lean client's: gcsfs's own default,
+    None, lets a request whose answer never comes wait forever); a ConfigError naming the URL where
+    gcsfs is missing."""
     options = {"skip_instance_cache": True, "use_listings_cache": False, **storage_options}
+    options["requests_timeout"] = options.get("requests_timeout") or 300.0
     try:
         one_try = _one_try()
     except ImportError as exc:
