@@ -1,6 +1,6 @@
 """Epoch-plan scale: one DataLoader worker's plan in a 1024-rank x 8-worker world, batch 8, one run.
 
-    python bench/plan_scale.py [--sizes 11M 100M 1B] [--single]
+    python bench/plan_scale.py [--sizes 11M 100M 1B] [--single] [--shuffle shards-then-blocks]
 
 For each size (1000 samples per shard: 1B is 1M shards) it builds one worker's plan and takes all
 its items as the loader does (each batch, and the batch `read_ahead` = 2 later): without a history,
@@ -66,7 +66,7 @@ def _reset_peak() -> bool:
 
 
 def measure(total: int, shards: int, history: bool, mix: bool, world_size: int = 1024, workers: int = 8,
-            begin: float = 0.0) -> dict:
+            begin: float = 0.0, shuffle: str = "shards-then-window") -> dict:
     """In this process: build one worker's plan and take its items (from the `begin` fraction of them
     on); seconds and peak MB over before."""
     from pipeline.plan import Mix, Resume, World, plan_epoch, rank_batch_count
@@ -89,7 +89,7 @@ def measure(total: int, shards: int, history: bool, mix: bool, world_size: int =
     fresh_peak = _reset_peak()
     before, peak_before = _rss_mb(), _peak_mb()
     start, cpu = time.perf_counter(), time.process_time()
-    plan = plan_epoch(sources, 7, 3, world, batch_size=BATCH, mix=weights, history=stretches)
+    plan = plan_epoch(sources, 7, 3, world, batch_size=BATCH, shuffle=shuffle, mix=weights, history=stretches)
     batches, samples = len(plan), 0
     for i in range(int(batches * begin), batches):
         samples += plan[i][2].size
@@ -103,9 +103,10 @@ def measure(total: int, shards: int, history: bool, mix: bool, world_size: int =
 
 
 def plan_figures(total: int, shards: int, history: bool, mix: bool, *, world_size: int = 1024, workers: int = 8,
-                 begin: float = 0.0) -> dict:
+                 begin: float = 0.0, shuffle: str = "shards-then-window") -> dict:
     """`measure` in a fresh subprocess (its peak memory its own)."""
-    argv = [sys.executable, __file__, "--child", json.dumps([total, shards, history, mix, world_size, workers, begin])]
+    argv = [sys.executable, __file__, "--child",
+            json.dumps([total, shards, history, mix, world_size, workers, begin, shuffle])]
     out = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -114,6 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--single", action="store_true", help="also a 1-rank, 2-worker world at 100M")
+    parser.add_argument("--shuffle", default="shards-then-window", help="the plan's shuffle (a name of "
+                        "pipeline.plan.SHUFFLES; default the loader's)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -128,7 +131,8 @@ def main() -> None:
     print(f"{'samples':>13} {'shards':>9} {'world':>9} {'history':>8} {'mix':>4} {'from':>5} {'batches':>9} "
           f"{'seconds':>8} {'cpu s':>7} {'MB':>7}  {'target':<20} before (issue 12)")
     for total, shards, history, mix, world_size, workers, begin in cases:
-        f = plan_figures(total, shards, history, mix, world_size=world_size, workers=workers, begin=begin)
+        f = plan_figures(total, shards, history, mix, world_size=world_size, workers=workers, begin=begin,
+                         shuffle=args.shuffle)
         target = TARGET if total <= 100_000_000 and world_size > 1 else "report" if world_size > 1 else "MB bounded"
         before = BEFORE.get((total, history), "") if world_size > 1 and not mix and not begin else ""
         print(f"{total:>13,} {shards:>9,} {f['world']:>9} {'2 str.' if history else '-':>8} {'2' if mix else '-':>4} "
