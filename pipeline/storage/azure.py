@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 from typing import Any
 
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 
 from pipeline.errors import ConfigError
-from pipeline.storage.s3 import Declined, S3Client, S3Error, made_once
+from pipeline.storage.s3 import Declined, S3Client, S3Error, made_once, unusable
 
 __all__ = ["AzureClient", "AzureError", "EMULATOR_ACCOUNT", "EMULATOR_KEY", "SCHEMES", "client", "emulator_options",
            "filesystem"]
@@ -42,7 +41,6 @@ _NO_EFFECT = {"blocksize", "default_fill_cache", "default_cache_type", "assume_c
               "version_aware", "client_id", "client_secret", "tenant_id"}  # (a service principal: declined below)
 _KNOWN = {"account_name", "account_key", "connection_string", "sas_token", "anon", "account_host", "credential",
           "location_mode", "connection_timeout", "read_timeout"}
-_SAFE_KEY = re.compile(r"[A-Za-z0-9!_.*'()/=+,@-]+")  # blob names both clients send alike
 _TRUE = ("true", "1", "yes", "y", "on")  # (obstore's truthy values)
 
 
@@ -101,15 +99,8 @@ def emulator_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unusable(container: str, key: str) -> str | None:
-    try:
-        import obstore  # noqa: F401
-    except ImportError:
-        return f"obstore is not installed ({_EXTRA})"
-    if not container or "@" in container:
-        return f"container {container!r} (none, or an account in the URL)"
-    if not _SAFE_KEY.fullmatch(key) or "//" in key:
-        return f"blob name {key!r} has characters sent as they are only by adlfs"
-    return None
+    where = None if container and "@" not in container else f"container {container!r} (none, or an account in the URL)"
+    return unusable(where, key, ("blob name", "adlfs"), _EXTRA)
 
 
 def _store(container: str, options: dict[str, Any]) -> Any:

@@ -14,13 +14,12 @@ DEBUG), and gcsfs reads the shards too."""
 from __future__ import annotations
 
 import datetime
-import re
 from typing import Any
 
 from fsspec import AbstractFileSystem
 
 from pipeline.errors import ConfigError
-from pipeline.storage.s3 import Declined, S3Client, S3Error, made_once
+from pipeline.storage.s3 import Declined, S3Client, S3Error, made_once, unusable
 
 __all__ = ["ENVIRONMENT", "GCSClient", "GCSError", "SCHEMES", "client", "filesystem"]
 
@@ -34,7 +33,6 @@ _NO_EFFECT = {"project", "block_size", "consistency", "cache_timeout", "secure_s
               "max_paths", "timeout", "finalize_on_close", "mrd_pool_cache_size", "max_mrd_pool_cache_queue_size",
               "memmove_max_workers", "retry_timeout", "retry_initial", "retry_maximum", "retry_multiplier"}
 _KNOWN = {"access", "token", "endpoint_url", "requests_timeout", "requester_pays", "session_kwargs"}
-_SAFE_KEY = re.compile(r"[A-Za-z0-9!_.*'()/=+,@-]+")  # object names both clients send alike
 _REFRESH_SECONDS = 600  # a token with less left is refreshed when obstore asks (it asks 5 minutes before expiry)
 
 
@@ -109,15 +107,7 @@ _CLASS: list[type] = []  # the one-try class, made on first use (gcsfs is import
 
 
 def _unusable(bucket: str, key: str) -> str | None:
-    try:
-        import obstore  # noqa: F401
-    except ImportError:
-        return f"obstore is not installed ({_EXTRA})"
-    if not bucket:
-        return "no bucket"
-    if not _SAFE_KEY.fullmatch(key) or "//" in key:
-        return f"object name {key!r} has characters sent as they are only by gcsfs"
-    return None
+    return unusable(None if bucket else "no bucket", key, ("object name", "gcsfs"), _EXTRA)
 
 
 def _store(url: str, bucket: str, options: dict[str, Any]) -> Any:

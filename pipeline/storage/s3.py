@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 from pipeline.storage.retry import Truncated
 
-__all__ = ["Declined", "S3Client", "S3Error", "client", "made_once", "translated"]
+__all__ = ["Declined", "S3Client", "S3Error", "client", "made_once", "translated", "unusable"]
 
 log = logging.getLogger("pipeline.storage")
 STREAM_CHUNK = 1 << 20  # a streamed download's bytes are handed over (and shown to readers) this many at a time
@@ -39,7 +39,8 @@ _CLIENT_KWARGS = {"endpoint_url", "region_name", "aws_access_key_id", "aws_secre
 _CONFIG_KWARGS = {"read_timeout", "connect_timeout", "region_name", "s3", "signature_version"}
 _CREDENTIAL_CODES = {"ExpiredToken", "InvalidToken", "TokenRefreshRequired", "InvalidAccessKeyId",
                      "SignatureDoesNotMatch", "AccessDenied", "RequestTimeTooSkewed", "InvalidSecurity"}
-_SAFE_KEY = re.compile(r"[A-Za-z0-9!_.*'()/=+,@-]+")  # object keys sent as they are (else s3fs reads them)
+# Object keys every scheme's two clients send alike (others: the fsspec library reads them).
+_SAFE_KEY = re.compile(r"[A-Za-z0-9!_.*'()/=+,@-]+")
 # obstore asks for credentials again 5 minutes before the expiry it is given: given this much
 # earlier, a temporary credential is given up 10 minutes before it expires (botocore's mandatory refresh).
 _EARLY = datetime.timedelta(minutes=5)
@@ -181,14 +182,23 @@ class Declined(Exception):
 
 
 def _unusable(bucket: str, key: str) -> str | None:
+    where = None if bucket and not bucket.endswith("--x-s3") else f"bucket {bucket!r} (S3 Express or none)"
+    return unusable(where, key, ("key", "s3fs"), "pip install 'shardstream[s3]'")
+
+
+def unusable(where: str | None, key: str, names: tuple[str, str], extra: str) -> str | None:
+    """Why a scheme's lean client cannot read an object, or None: obstore missing (`extra` installs
+    it), the scheme's own objection to the bucket or container (`where`), or a key with characters
+    only the scheme's fsspec library sends as they are (`names`: what the scheme calls a key, and
+    that library)."""
     try:
         import obstore  # noqa: F401
     except ImportError:
-        return "obstore is not installed (pip install 'shardstream[s3]')"
-    if not bucket or bucket.endswith("--x-s3"):
-        return f"bucket {bucket!r} (S3 Express or none)"
+        return f"obstore is not installed ({extra})"
+    if where is not None:
+        return where
     if not _SAFE_KEY.fullmatch(key) or "//" in key:
-        return f"key {key!r} has characters sent as they are only by s3fs"
+        return f"{names[0]} {key!r} has characters sent as they are only by {names[1]}"
     return None
 
 
