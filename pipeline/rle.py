@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from pipeline.errors import RLEError
 
@@ -59,6 +60,12 @@ def run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return runs, runs_per
 
 
+def _cumsum(values: np.ndarray) -> np.ndarray:
+    """`np.cumsum` of int64 `values`, by torch: ~6x faster than numpy's loop on the ~10^5 runs of a
+    sample's masks (most of the time of parsing them and of drawing points)."""
+    return torch.cumsum(torch.from_numpy(values), 0).numpy()
+
+
 def _run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`run_lengths`, and whether each run is odd within its string (a foreground run)."""
     lens = np.fromiter((len(s) for s in strings), np.int64, len(strings))
@@ -90,7 +97,7 @@ def _run_lengths(strings: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.n
     runs_per = np.diff(np.searchsorted(ends, np.concatenate(([0], string_end))))
     first = np.cumsum(runs_per) - runs_per
     c2 = np.empty_like(values)
-    c2[0::2], c2[1::2] = np.cumsum(values[0::2]), np.cumsum(values[1::2])
+    c2[0::2], c2[1::2] = _cumsum(values[0::2]), _cumsum(values[1::2])
     odd = (np.arange(values.size) & 1).astype(bool) != np.repeat((first & 1).astype(bool), runs_per)  # m is odd
     before_odd = np.where(first > 0, c2[first - 1], 0)  # (m = 1, 3, ... follow the previous string's values)
     runs = c2 - np.where(odd, np.repeat(before_odd, runs_per), np.repeat(c2[first], runs_per))
@@ -135,7 +142,7 @@ def _checked_runs(strings: Sequence[bytes], size: tuple[int, int]) -> tuple[np.n
     if runs.size and runs.min() < 0:
         raise RLEError("negative run",
                        index=int(np.searchsorted(np.cumsum(runs_per), np.argmax(runs < 0), side="right")))
-    total = np.cumsum(runs)
+    total = _cumsum(runs)
     last = np.cumsum(runs_per) - 1
     sums = total[last] - np.concatenate(([0], total[last[:-1]]))
     for index in np.flatnonzero(sums != size[0] * size[1]):
@@ -244,16 +251,13 @@ def foreground_pixels(parsed: Runs, fractions: np.ndarray, rows: np.ndarray | No
         rows = np.arange(len(parsed))
     if not len(rows):
         return np.zeros((0, fractions.shape[1], 2), np.int64)
-    # Foreground pixels up to each run's end, over all masks: counted in int32 where they must fit (~2x
-    # faster than int64, this being most of the work), and the counts searched for in the same type.
-    count = np.int32 if len(parsed) * parsed.size[0] * parsed.size[1] < 2**31 else np.int64
-    foreground = np.cumsum(runs.astype(count) * parsed.foreground, dtype=count)
+    foreground = _cumsum(runs * parsed.foreground)  # foreground pixels up to each run's end, over all masks
     before = np.where(first > 0, foreground[first - 1], 0)  # those of the masks before each
     areas = foreground[first + parsed.runs_per - 1] - before
     for index in np.flatnonzero(areas[rows] <= 0):
         raise RLEError("no foreground pixel", index=int(index))
-    area = areas[rows][:, None].astype(np.int64)
-    wanted = (before[rows][:, None] + np.minimum((fractions * area).astype(np.int64), area - 1)).astype(count)
+    area = areas[rows][:, None]
+    wanted = before[rows][:, None] + np.minimum((fractions * area).astype(np.int64), area - 1)
     run = np.searchsorted(foreground, wanted, side="right")  # the (foreground) run holding each wanted pixel
     mask_start = (total[first] - runs[first])[rows][:, None]
     pixel = total[run] - foreground[run] + wanted - mask_start  # its run's end, less what of the run is after it

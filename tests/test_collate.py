@@ -156,3 +156,24 @@ def test_padded_images_fills_the_given_tensor_padding_included():
     expected = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
     expected[0, :, :2, :3], expected[1, :, :4, :1] = 7, 9
     assert torch.equal(out, expected)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 40), st.sampled_from(["contiguous", "decoded", "cropped"]),
+       st.integers(0, 2**32 - 1))
+def test_padded_images_mirror_an_image_as_numpy_reverses_it(h, w, layout, seed):
+    """Every width (8-byte words and the bytes left over) and every layout an image comes in: CHW
+    contiguous (resized), (h, w, 3) as decoded seen as CHW, and a crop of a larger image."""
+    rng = np.random.default_rng(seed)
+    if layout == "decoded":
+        image = torch.from_numpy(rng.integers(0, 256, (h, w, 3), np.uint8)).permute(2, 0, 1)
+    elif layout == "cropped":
+        image = torch.from_numpy(rng.integers(0, 256, (3, h + 3, w + 5), np.uint8))[:, 1 : h + 1, 3 : w + 3]
+    else:
+        image = torch.from_numpy(rng.integers(0, 256, (3, h, w), np.uint8))
+    out = torch.full((2, 3, 8, 48), 255, dtype=torch.uint8)
+    collate.padded_images([image, image], 8, 48, out, mirrored=[True, False])
+    expected = torch.zeros(2, 3, 8, 48, dtype=torch.uint8)
+    expected[0, :, :h, :w] = torch.from_numpy(np.asarray(image)[..., ::-1].copy())
+    expected[1, :, :h, :w] = image
+    assert torch.equal(out, expected)

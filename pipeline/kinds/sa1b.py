@@ -232,13 +232,14 @@ class Sa1b:
         distinct, rows = np.unique(chosen, return_inverse=True)  # (repeats, with fill_masks, decoded once)
         try:
             parsed = parse([counts[i] for i in distinct], (height, width))  # (once: masks and points)
-            masks = bits_at(parsed, view.rows, view.cols, mirrored=(flip := flips(options, draw)))
         except RLEError as exc:
             raise _mask_error(exc, distinct, url, key) from exc
-        try:  # (the RLE of every chosen mask is valid: only a mask with no pixel has no point)
+        try:  # (every chosen mask's RLE is valid: only a mask with no pixel has no point. Drawn while
+            # the runs are in cache, before the rasters pass through it.)
             prompts = prompts_of(parsed, rows, columns["bbox"][chosen], frame, options, draw)
         except RLEError as exc:
             raise _mask_error(exc, chosen, url, key) from exc
+        masks = bits_at(parsed, view.rows, view.cols, mirrored=(flip := flips(options, draw)))
         clock.split("masks")
 
         (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
@@ -274,7 +275,8 @@ class Sa1b:
         for (name, dtype, shape), offset in zip(layout, offsets):
             nbytes = math.prod(shape) * storage_dtype(dtype).itemsize
             batch[name] = flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
-        padded_images([x["image"] for x in samples], s, s, batch["images"])
+        padded_images([x["image"] for x in samples], s, s, batch["images"],
+                      [x.get("mirrored", False) for x in samples])
         masks, columns = batch["masks_packed"].zero_(), batch["columns"].zero_()
         batch["info"].copy_(torch.tensor([[len(x["masks_packed"]), x["image_id"], *x["original_size"],
                                            *x["image_size"]] for x in samples], dtype=torch.int64))
