@@ -1052,6 +1052,33 @@ def test_temporary_credentials_are_refreshed_before_they_expire(remote, sa1b_dat
         proxy.close()
 
 
+def test_credentials_set_or_dropped_later_in_the_process_are_the_ones_read_with(monkeypatch):
+    """A filesystem made after the AWS_ environment changed resolves credentials from the environment
+    as it is now: not from a botocore session that cached those of an earlier one (it was shared by
+    the whole process, and a process whose credentials were dropped still read with them)."""
+    import asyncio
+
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def access_key() -> str | None:
+        fs, _ = filesystem("s3://bucket/key")
+        credentials = asyncio.run(fs.session.get_credentials())
+        return None if credentials is None else credentials.access_key
+
+    for key in ("first", "second", None):
+        if key is None:
+            monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+            monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        else:
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+            monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
+        assert access_key() == key
+
+
 def _reads_in_a_forked_child(url: str, options: dict, parent, out) -> None:
     reader = ranged_reader(url, options, FAST)
     try:

@@ -86,18 +86,21 @@ KEPT: dict[str, tuple[str | tuple[str, ...], Callable[[str, dict[str, Any]], fss
     **{scheme: ("AZURE", adlfs_filesystem) for scheme in AZURE_SCHEMES},
     **{scheme: (gcs.ENVIRONMENT, gcs.filesystem) for scheme in gcs.SCHEMES}}
 _FILESYSTEMS: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}  # by process and options, never dropped
-_SESSION: list[Any] = []  # the process's aiobotocore session
+_SESSIONS: dict[tuple[tuple[str, str], ...], Any] = {}  # the process's aiobotocore sessions, by AWS_ environment
 
 
 def _botocore_session() -> Any:
-    """One botocore session per process, inherited by forked DataLoader workers: its parsed service
-    models make their clients ~3x faster to create. A session holds no connection or event loop
-    (those belong to each filesystem's client), so sharing it across fork is safe."""
-    if not _SESSION:
+    """One botocore session per process and AWS_ environment, inherited by forked DataLoader workers:
+    its parsed service models make their clients ~3x faster to create. A session holds no connection
+    or event loop (those belong to each filesystem's client), so sharing it across fork is safe. It
+    keeps the credentials it first resolves, so one made under other AWS_ variables is never reused:
+    a process that sets or drops credentials (or AWS_PROFILE) later reads with what it has now."""
+    env = tuple(sorted((name, value) for name, value in os.environ.items() if name.startswith("AWS_")))
+    if env not in _SESSIONS:
         from aiobotocore.session import AioSession
 
-        _SESSION.append(AioSession())
-    return _SESSION[0]
+        _SESSIONS[env] = AioSession()
+    return _SESSIONS[env]
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
