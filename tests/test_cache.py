@@ -1,5 +1,5 @@
-"""pipeline.storage.cache alone: downloads that stream into the cache in parallel pieces, read while
-they arrive by this or another process, hashed as they arrive."""
+"""pipeline.storage.cache alone: downloads that stream into the cache, read while they arrive by this
+or another process, hashed as they arrive."""
 
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ def _reader(data: bytes, chunk: int = 100, pause: float = 0.0, gate: threading.E
     return read
 
 
-@pytest.mark.parametrize(("parallel", "piece"), [(1, 1 << 20), (4, 500), (3, 1)])
-def test_a_download_in_pieces_is_the_shard_and_leaves_no_debris(tmp_path, parallel, piece):
+@pytest.mark.parametrize("chunk", [1, 100, 1 << 20])
+def test_a_download_is_the_shard_and_leaves_no_debris(tmp_path, chunk):
     cache = ShardCache(str(tmp_path), 1 << 20)
-    path = cache.fetch("u", len(DATA), SHA, _reader(DATA), parallel=parallel, piece=piece)
+    path = cache.fetch("u", len(DATA), SHA, _reader(DATA, chunk))
     assert open(path, "rb").read() == DATA
     assert sorted(os.listdir(tmp_path)) == sorted([f"{SHA}.tar", f"{SHA}.tar.ok"])
 
@@ -61,17 +61,16 @@ def test_bytes_are_read_while_the_shard_arrives(tmp_path, monkeypatch):
     chunk, so that it cannot end before the waiting reader has its bytes)."""
     cache, gate, hold = ShardCache(str(tmp_path), 1 << 20), threading.Event(), threading.Event()
     looked = threading.Event()  # the waiting reader looked for bytes 2000-2100 and found them not there
-    covered = cache_module._covered
+    arrived = cache_module._arrived
 
-    def watched(table, start, end):
-        found = covered(table, start, end)
-        if (start, end) == (2000, 2100) and not found and threading.current_thread().name == "waiter":
+    def watched(path):
+        found = arrived(path)
+        if found is not None and found < 2100 and threading.current_thread().name == "waiter":
             looked.set()
         return found
 
-    monkeypatch.setattr(cache_module, "_covered", watched)
-    download = threading.Thread(target=cache.fetch, args=("u", len(DATA), SHA, _reader(DATA, gate=gate, hold=hold)),
-                                kwargs=dict(parallel=1))
+    monkeypatch.setattr(cache_module, "_arrived", watched)
+    download = threading.Thread(target=cache.fetch, args=("u", len(DATA), SHA, _reader(DATA, gate=gate, hold=hold)))
     download.start()
     try:
         deadline = time.monotonic() + 30
@@ -137,7 +136,7 @@ def test_a_download_of_other_bytes_is_refused_recorded_and_not_read_again(tmp_pa
     other = bytearray(DATA)
     other[-1] ^= 1
     with pytest.raises(Mismatch, match="SHA-256"):
-        cache.fetch("u", len(DATA), SHA, _reader(bytes(other)), piece=1000)
+        cache.fetch("u", len(DATA), SHA, _reader(bytes(other)))
     assert os.listdir(tmp_path) == [f"{SHA}.bad"] and "SHA-256" in cache.failed(SHA)
 
     def unread(start: int, end: int):
@@ -147,7 +146,7 @@ def test_a_download_of_other_bytes_is_refused_recorded_and_not_read_again(tmp_pa
         cache.fetch("u", len(DATA), SHA, unread)
     os.unlink(tmp_path / f"{SHA}.bad")
     with pytest.raises(ShardError, match="gave 3000 bytes") as info:  # (a short read: a failed download, not a mismatch)
-        cache.fetch("u", len(DATA), SHA, _reader(DATA[:3000]), piece=1 << 20)
+        cache.fetch("u", len(DATA), SHA, _reader(DATA[:3000]))
     assert not isinstance(info.value, Mismatch) and os.listdir(tmp_path) == []
 
 
@@ -174,8 +173,7 @@ def test_a_process_forked_during_a_download_holds_none_of_its_locks(tmp_path):
     """A DataLoader forks its workers while a thread of the main process may be downloading: the
     worker must not keep the download's locks (an flock is held by every copy of its descriptor)."""
     cache, gate = ShardCache(str(tmp_path), 1 << 20), threading.Event()
-    download = threading.Thread(target=cache.fetch, args=("u", len(DATA), SHA, _reader(DATA, gate=gate)),
-                                kwargs=dict(parallel=1))
+    download = threading.Thread(target=cache.fetch, args=("u", len(DATA), SHA, _reader(DATA, gate=gate)))
     download.start()
     child = None
     try:
@@ -203,27 +201,25 @@ def test_a_process_forked_during_a_download_holds_none_of_its_locks(tmp_path):
             child.join()
 
 
-def test_a_failing_piece_stops_the_download(tmp_path):
+def test_a_failing_read_stops_the_download_and_leaves_no_debris(tmp_path):
     cache = ShardCache(str(tmp_path), 1 << 20)
 
     def read(start: int, end: int):
-        if start:
-            raise ShardError(f"cannot read bytes {start}-{end}", url="u")
-        yield from _reader(DATA, pause=0.01)(start, end)
+        yield DATA[:1000]
+        raise ShardError("cannot read bytes 1000-3017", url="u")
 
     with pytest.raises(ShardError, match="cannot read bytes"):
-        cache.fetch("u", len(DATA), SHA, read, parallel=4, piece=1000)
+        cache.fetch("u", len(DATA), SHA, read)
     assert os.listdir(tmp_path) == []
 
 
-def test_a_shard_is_one_request_by_default_whatever_its_size(tmp_path):
+def test_a_shard_is_one_request_whatever_its_size(tmp_path):
     """The node's requests for a shard are its index and its download: one `read` (one streamed
     request), not one per piece (before: up to 4 of a shard over 16 MiB)."""
     asked = []
     read = _reader(DATA)
     cache = ShardCache(str(tmp_path), 1 << 20)
-    path = cache.fetch("u", len(DATA), SHA, lambda start, end: asked.append((start, end)) or read(start, end),
-                       piece=100)
+    path = cache.fetch("u", len(DATA), SHA, lambda start, end: asked.append((start, end)) or read(start, end))
     with open(path, "rb") as f:
         assert asked == [(0, len(DATA))] and f.read() == DATA
 

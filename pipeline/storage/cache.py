@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
 import glob
@@ -10,7 +9,6 @@ import hashlib
 import itertools
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -57,17 +55,18 @@ def _locked(path: str, wait: bool = True) -> Iterator[bool]:
         locks.close(fd)  # releases the lock
 
 
-_ARRIVED = ".arrived"  # beside a download in progress: its piece length, piece count, and bytes arrived of each
+_ARRIVED = ".arrived"  # beside a download in progress: how many of its bytes have arrived (int64; they come in order)
 _STREAMED = "stream"  # the name of the download in progress (`.partial-stream`), where readers find it
 
 
-def _covered(table: np.ndarray, start: int, end: int) -> bool:
-    """Whether the bytes [start, end) have arrived, by the `.arrived` table."""
-    length = int(table[0])
-    for number in range(start // length, (end - 1) // length + 1 if end > start else 0):
-        if number >= int(table[1]) or number * length + int(table[2 + number]) < min(end, (number + 1) * length):
-            return False
-    return True
+def _arrived(path: str) -> int | None:
+    """How many bytes of the shard's download (the shard's `path`) have arrived; None once it ended."""
+    try:
+        with open(path + _ARRIVED, "rb") as f:
+            count = np.frombuffer(f.read(), np.int64)
+    except FileNotFoundError:  # (finished, or failed: the caller looks it up)
+        return None
+    return int(count[0]) if len(count) == 1 else 0
 
 
 def _download_file(path: str, deadline: float) -> int | None:
@@ -93,73 +92,21 @@ def _live(fd: int) -> bool:
     return False
 
 
-class _Download:
-    """One shard's bytes written into its reserved file `fd` in pieces, several at once, each piece's
-    progress published in the `.arrived` table after its bytes are written; `run` computes the
-    SHA-256 in order as the bytes arrive, and returns it."""
-
-    def __init__(self, url: str, fd: int, arrived: int, pieces: list[tuple[int, int]],
-                 read: Callable[[int, int], Iterator[bytes]], first: Iterator[bytes]) -> None:
-        """`first`: the first piece's bytes, its request made already (`read` makes the others')."""
-        self.url, self.fd, self.arrived, self.pieces, self.read = url, fd, arrived, pieces, read
-        self.first = first
-        self.done = [0] * len(pieces)  # bytes arrived of each piece
-        self.error: BaseException | None = None  # the first piece's failure: the others stop
-        self.changed = threading.Condition()
-
-    def run(self, parallel: int) -> str:
-        digest = hashlib.sha256()
-        if len(self.pieces) == 1:  # (one request, here: its bytes hashed as they come, not read back)
-            self._piece(0, digest.update)
-            if self.error is not None:
-                raise self.error
-            return digest.hexdigest()
-        threads = max(1, min(parallel, len(self.pieces)))
-        with concurrent.futures.ThreadPoolExecutor(threads, "shardstream-piece") as pool:
-            for number in range(len(self.pieces)):
-                pool.submit(self._piece, number)
-            try:
-                for number, (first, last) in enumerate(self.pieces):
-                    at = first
-                    while at < last:
-                        with self.changed:
-                            self.changed.wait_for(lambda: self.error is not None or first + self.done[number] > at)
-                            if self.error is not None:
-                                raise self.error
-                            ready = first + self.done[number]
-                        digest.update(pread(self.fd, at, ready))
-                        at = ready
-            except BaseException as exc:
-                with self.changed:
-                    self.error = self.error or exc
-                raise
-        return digest.hexdigest()
-
-    def _piece(self, number: int, hashed: Callable[[bytes | memoryview], None] | None = None) -> None:
-        """Write the piece's bytes as they come (each chunk also to `hashed`, where given)."""
-        first, last = self.pieces[number]
-        at = first
-        try:
-            for chunk in self.first if number == 0 else self.read(first, last):
-                if self.error is not None:
-                    return
-                if at + len(chunk) > last:
-                    raise ShardError(f"download: bytes {first}-{last} gave more than {last - first} bytes",
-                                     url=self.url)
-                os.pwrite(self.fd, chunk, at)
-                if hashed is not None:
-                    hashed(chunk)
-                at += len(chunk)
-                os.pwrite(self.arrived, np.int64(at - first).tobytes(), 8 * (2 + number))
-                with self.changed:
-                    self.done[number] = at - first
-                    self.changed.notify_all()
-            if at != last:
-                raise ShardError(f"download: bytes {first}-{last} gave {at - first} bytes", url=self.url)
-        except BaseException as exc:
-            with self.changed:
-                self.error = self.error or exc
-                self.changed.notify_all()
+def _stream_into(url: str, fd: int, arrived: int, size: int, chunks: Iterator[bytes | memoryview]) -> str:
+    """Write a shard's bytes into its reserved file `fd` as they come, in order, publishing after each
+    chunk how many have arrived (in the `.arrived` file open at `arrived`); their SHA-256, computed as
+    they come (never read back)."""
+    digest, at = hashlib.sha256(), 0
+    for chunk in chunks:
+        if at + len(chunk) > size:
+            raise ShardError(f"download: bytes 0-{size} gave more than {size} bytes", url=url)
+        os.pwrite(fd, chunk, at)
+        digest.update(chunk)
+        at += len(chunk)
+        os.pwrite(arrived, np.int64(at).tobytes(), 0)
+    if at != size:
+        raise ShardError(f"download: bytes 0-{size} gave {at} bytes", url=url)
+    return digest.hexdigest()
 
 
 class CacheFull(Exception):
@@ -252,12 +199,12 @@ class ShardCache:
         return None
 
     def fetch(self, url: str, size: int, sha256: str, read: Callable[[int, int], Iterator[bytes | memoryview]], *,
-              parallel: int = 1, piece: int = 16 << 20, actual_size: Callable[[], int] | None = None,
-              started: Callable[[], None] = lambda: None) -> str | None:
+              actual_size: Callable[[], int] | None = None, started: Callable[[], None] = lambda: None) -> str | None:
         """The local path of the shard, downloading it if needed (None if another process is downloading
-        it): `read(start, end)` yields the bytes [start, end) in order. By default a shard is one `read`
-        (one streamed request: the node's requests for a shard are its index and this); with `parallel`
-        over 1, a shard over `piece` bytes downloads in up to `parallel` pieces at once.
+        it): `read(start, end)` yields the bytes [start, end) in order. A shard is one `read`, whatever its
+        size (one streamed request: the node's requests for a shard are its index and this), its bytes
+        written in the order they come, so that a reader of its start never waits for its end. The
+        node's downloads run several shards at once (`reader.DOWNLOADS` a process), not pieces of one.
         While it arrives, readers in any process take the bytes already there (`read_arriving`), and
         its SHA-256 is computed as its bytes arrive. `actual_size()`: the object's size, asked for once the
         first request is answered (an answer may say it: `Ranged.known_size`) and before any space is
@@ -274,16 +221,14 @@ class ShardCache:
             for debris in [*glob.glob(glob.escape(path) + ".partial-*"), path + _ARRIVED]:  # (we hold the lock)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(debris)
-            length = max(piece, -(-size // parallel))
-            pieces = [(first, min(first + length, size)) for first in range(0, size, length)]
             arrived = os.open(path + _ARRIVED, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             partial, fd = f"{path}.partial-{_STREAMED}", None
             try:
-                os.pwrite(arrived, np.array([length, len(pieces), *[0] * len(pieces)], np.int64).tobytes(), 0)
+                os.pwrite(arrived, np.int64(0).tobytes(), 0)
                 with self.locked():  # (empty until its size is known; readers wait on it from now: `read_arriving`)
                     fd = _create(partial)
                 started()
-                stream, arriving, failed = read(*pieces[0]) if pieces else iter(()), [], None
+                stream, arriving, failed = read(0, size) if size else iter(()), [], None
                 try:
                     arriving = list(itertools.islice(stream, 1))  # (the first request: its answer may say the size)
                 except ShardError as exc:  # (a range past a shortened object's end: the size says why)
@@ -293,7 +238,7 @@ class ShardCache:
                 if failed is not None:
                     raise failed
                 _make_room(self, fd, size, url)
-                digest = _Download(url, fd, arrived, pieces, read, itertools.chain(arriving, stream)).run(parallel)
+                digest = _stream_into(url, fd, arrived, size, itertools.chain(arriving, stream))
                 if digest != sha256:  # (recorded before the download's files go: its readers then see it)
                     self._mismatch(url, sha256, f"downloaded shard has SHA-256 {digest}, the manifest says {sha256}")
                 # Checked: its stamp, so that `lookup` need not hash it again (a rename keeps inode and mtime).
@@ -337,12 +282,10 @@ class ShardCache:
         try:
             pause = 0.001
             while True:
-                try:
-                    with open(path + _ARRIVED, "rb") as f:
-                        table = np.frombuffer(f.read(), np.int64)
-                except FileNotFoundError:  # (finished, or failed: the caller looks it up)
+                arrived = _arrived(path)
+                if arrived is None:
                     return None
-                if len(table) >= 2 and len(table) == 2 + table[1] and _covered(table, start, end):
+                if arrived >= end:
                     data = pread(fd, start, end)
                     return data if len(data) == end - start else None
                 if not _live(fd) or time.monotonic() > deadline:

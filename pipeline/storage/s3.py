@@ -124,8 +124,8 @@ class S3Client:
 
     def _check(self) -> None:
         if self.pid != os.getpid():  # (it would wait forever on the parent's runtime)
-            raise RuntimeError(f"an s3 client made in process {self.pid} used in process {os.getpid()}: clients "
-                               "are not fork-safe; make one in the process that reads")
+            raise RuntimeError(f"{self.scheme}:// client made in process {self.pid} used in process {os.getpid()}: "
+                               "clients are not fork-safe; make one in the process that reads")
 
 
 def client(url: str, storage_options: dict[str, Any] | None) -> tuple[S3Client, str] | None:
