@@ -29,6 +29,7 @@ from pipeline.kinds.sa1b_prompts import (Draw, check_options, choose_masks, chos
                                          prompt_problems, prompts_of)
 from pipeline.kinds.schema import BatchField, problems
 from pipeline.rle import RLEError, bits_at, check, parse
+from pipeline.seeds import Purpose
 from pipeline.stats import Clock
 
 __all__ = [
@@ -223,6 +224,11 @@ class Sa1b:
         info, columns = _record(members, options.max_image_pixels, url, key)
         height, width, counts = info["height"], info["width"], info["counts"]
         draw = Draw(seed, epoch, key)
+        draw.make(purpose for purpose, used in ((Purpose.SCALE_JITTER, options.scale_jitter is not None),
+                                                (Purpose.CROP, options.scale_jitter is not None),
+                                                (Purpose.POINTS, options.points_per_mask > 0),
+                                                (Purpose.BOX_NOISE, options.box_noise is not None),
+                                                (Purpose.HFLIP, options.hflip > 0)) if used)
         view = view_of(height, width, options, draw)  # (frame: the scaled image's, before any crop)
         chosen = chosen_masks(columns, (height, width), options, options.masks_for(epoch), draw)
         chosen, frame = chosen[view.visible(columns["bbox"][chosen])], view.scaled
