@@ -20,6 +20,7 @@ from pipeline.errors import ConfigError
 from pipeline.kinds.sa1b import Sa1b, Sa1bOptions
 from pipeline.kinds.sa1b_prompts import Draw, box_prompts, choose_masks, point_prompts
 from pipeline.rle import fit, nearest_index, parse
+from pipeline.seeds import Purpose, key_entropy, sample_rng
 from conftest import batches_of
 
 BASE = dict(batch_size=3, num_workers=0, seed=11, drop_last=False, image_size=80, mask_size=32)
@@ -266,3 +267,14 @@ def test_check_names_broken_prompts(sa1b_dataset):
 def test_options_are_validated(bad, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         Sa1bOptions(**bad)
+
+
+def test_streams_made_ahead_are_the_streams_made_on_demand():
+    """`Draw.make` only moves when a stream is made: each purpose's draws are those of its own stream
+    from its start (a purpose asked for twice starts again), made ahead or not."""
+    ahead, later = Draw(5, 3, "sa_1"), Draw(5, 3, "sa_1")
+    ahead.make([Purpose.POINTS, Purpose.HFLIP])
+    for purpose in (Purpose.HFLIP, Purpose.POINTS, Purpose.POINTS, Purpose.BOX_NOISE):
+        expected = sample_rng(5, 3, purpose, key_entropy("sa_1")).random(4)
+        np.testing.assert_array_equal(ahead.rng(purpose).random(4), expected)
+        np.testing.assert_array_equal(later.rng(purpose).random(4), expected)

@@ -82,6 +82,15 @@ class Sa1bOptions:
         return value
 
     @property
+    def streams(self) -> list[Purpose]:
+        """The seeded streams these options draw from in every sample (the masks' own aside)."""
+        return [purpose for purpose, used in ((Purpose.SCALE_JITTER, self.scale_jitter is not None),
+                                              (Purpose.CROP, self.scale_jitter is not None),
+                                              (Purpose.POINTS, self.points_per_mask > 0),
+                                              (Purpose.BOX_NOISE, self.box_noise is not None),
+                                              (Purpose.HFLIP, self.hflip > 0)) if used]
+
+    @property
     def mask_frame(self) -> int:
         return self.mask_size if self.mask_size is not None else self.image_size
 
@@ -224,11 +233,7 @@ class Sa1b:
         info, columns = _record(members, options.max_image_pixels, url, key)
         height, width, counts = info["height"], info["width"], info["counts"]
         draw = Draw(seed, epoch, key)
-        draw.make(purpose for purpose, used in ((Purpose.SCALE_JITTER, options.scale_jitter is not None),
-                                                (Purpose.CROP, options.scale_jitter is not None),
-                                                (Purpose.POINTS, options.points_per_mask > 0),
-                                                (Purpose.BOX_NOISE, options.box_noise is not None),
-                                                (Purpose.HFLIP, options.hflip > 0)) if used)
+        draw.make(options.streams)  # (together: see `Draw.make`)
         view = view_of(height, width, options, draw)  # (frame: the scaled image's, before any crop)
         chosen = chosen_masks(columns, (height, width), options, options.masks_for(epoch), draw)
         chosen, frame = chosen[view.visible(columns["bbox"][chosen])], view.scaled
