@@ -26,10 +26,9 @@ from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, 
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.kinds.sa1b_augment import augmented, check_augment, flips, view_of
 from pipeline.kinds.sa1b_prompts import (Draw, check_options, choose_masks, chosen_masks, prompt_columns,
-                                         prompt_problems, prompts_of)
+                                         prompt_problems, prompts_of, streams)
 from pipeline.kinds.schema import BatchField, problems
 from pipeline.rle import RLEError, bits_at, check, parse
-from pipeline.seeds import Purpose
 from pipeline.stats import Clock
 
 __all__ = [
@@ -80,15 +79,6 @@ class Sa1bOptions:
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"max_masks must be an int >= 0 (or a function of the epoch giving one), got {value!r}")
         return value
-
-    @property
-    def streams(self) -> list[Purpose]:
-        """The seeded streams these options draw from in every sample (the masks' own aside)."""
-        return [purpose for purpose, used in ((Purpose.SCALE_JITTER, self.scale_jitter is not None),
-                                              (Purpose.CROP, self.scale_jitter is not None),
-                                              (Purpose.POINTS, self.points_per_mask > 0),
-                                              (Purpose.BOX_NOISE, self.box_noise is not None),
-                                              (Purpose.HFLIP, self.hflip > 0)) if used]
 
     @property
     def mask_frame(self) -> int:
@@ -232,8 +222,7 @@ class Sa1b:
         clock, options = clock or Clock(STAGES), self.options
         info, columns = _record(members, options.max_image_pixels, url, key)
         height, width, counts = info["height"], info["width"], info["counts"]
-        draw = Draw(seed, epoch, key)
-        draw.make(options.streams)  # (together: see `Draw.make`)
+        (draw := Draw(seed, epoch, key)).make(streams(options))  # (together: see `Draw.make`)
         view = view_of(height, width, options, draw)  # (frame: the scaled image's, before any crop)
         chosen = chosen_masks(columns, (height, width), options, options.masks_for(epoch), draw)
         chosen, frame = chosen[view.visible(columns["bbox"][chosen])], view.scaled
@@ -245,8 +234,7 @@ class Sa1b:
             parsed = parse([counts[i] for i in distinct], (height, width))  # (once: masks and points)
         except RLEError as exc:
             raise _mask_error(exc, distinct, url, key) from exc
-        try:  # (every chosen mask's RLE is valid: only a mask with no pixel has no point. Drawn while
-            # the runs are in cache, before the rasters pass through it.)
+        try:  # (all RLE valid: only a mask with no pixel has no point; drawn while the runs are in cache)
             prompts = prompts_of(parsed, rows, columns["bbox"][chosen], frame, options, draw)
         except RLEError as exc:
             raise _mask_error(exc, chosen, url, key) from exc

@@ -23,7 +23,7 @@ from pipeline.errors import ConfigError
 from pipeline.rle import Runs, foreground_pixels
 from pipeline.seeds import Purpose, key_entropy, sample_rng
 
-__all__ = ["Draw", "choose_masks", "chosen_masks", "point_prompts", "box_prompts", "check_options",
+__all__ = ["Draw", "streams", "choose_masks", "chosen_masks", "point_prompts", "box_prompts", "check_options",
            "prompts_of", "prompt_columns", "prompt_problems", "BOX_NOISE_BOUND", "BOX_NOISE_MODES"]
 
 BOX_NOISE_BOUND = 20.0  # pixels of the original image: no corner moves further (SAM's and SAM 2's bound)
@@ -55,6 +55,15 @@ class Draw:
     def entropy(self) -> int:
         """The key as entropy (`key_entropy`), hashed once for all of the sample's draws."""
         return key_entropy(self.key)
+
+
+def streams(options: Any) -> list[Purpose]:
+    """The seeded streams an SA-1B sample draws from with these options (the mask choice's aside)."""
+    return [purpose for purpose, used in ((Purpose.SCALE_JITTER, options.scale_jitter is not None),
+                                          (Purpose.CROP, options.scale_jitter is not None),
+                                          (Purpose.POINTS, options.points_per_mask > 0),
+                                          (Purpose.BOX_NOISE, options.box_noise is not None),
+                                          (Purpose.HFLIP, options.hflip > 0)) if used]
 
 
 def choose_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.ndarray:
