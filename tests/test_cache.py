@@ -253,21 +253,44 @@ def test_a_forked_child_closes_only_the_locked_files_it_was_given(tmp_path):
         os.close(reused)
 
 
-def test_a_reader_waits_for_a_download_about_to_start_instead_of_reading_by_range(tmp_path):
+class _Polls:
+    """`time` for the cache module: its `sleep`s (a reader polling for a download's bytes or file) are
+    noted in `polled`, so that a test waits for a reader to be waiting instead of sleeping on it."""
+
+    def __init__(self) -> None:
+        self.polled = threading.Event()
+        self.monotonic, self.time_ns = time.monotonic, time.time_ns
+
+    def sleep(self, seconds: float) -> None:
+        self.polled.set()
+        time.sleep(seconds)
+
+
+def test_a_reader_waits_for_a_download_about_to_start_instead_of_reading_by_range(tmp_path, monkeypatch):
     """A process that took the shard's download lock but has not made its file yet: a reader waits for
-    the file (before: it found none and read the bytes by range, a request the node's download saves);
-    with no lock there, it does not wait."""
+    the file (before: it found none and read the bytes by range, a request the node's download saves),
+    then takes its bytes from the download while it runs; with no lock there, it does not wait."""
+    polls = _Polls()
+    monkeypatch.setattr(cache_module, "time", polls)
     cache = ShardCache(str(tmp_path), 1 << 20)
     assert cache.read_arriving(SHA, 0, 100, patience=30) is None  # (no download: at once)
+    assert not polls.polled.is_set(), "no download: no wait"
     (tmp_path / f"{SHA}.tar.lock").touch()  # (taken, the download's file not made yet)
     later = []
     reader = threading.Thread(target=lambda: later.append(cache.read_arriving(SHA, 0, 100, patience=30)))
     reader.start()
-    time.sleep(0.2)
-    assert reader.is_alive() and later == []
-    cache.fetch("u", len(DATA), SHA, _reader(DATA))
-    reader.join(30)
-    assert later == [DATA[:100]] or later == [None] and cache.lookup("u", SHA) is not None
+    assert polls.polled.wait(30) and later == [], "the reader waits for the download's file"
+    gate = threading.Event()  # (the download is held before its second half until the reader has its bytes)
+    download = threading.Thread(target=cache.fetch, args=("u", len(DATA), SHA, _reader(DATA, gate=gate)))
+    download.start()
+    try:
+        reader.join(30)
+        assert later == [DATA[:100]], "the bytes from the download, while it runs"
+        assert download.is_alive(), "(held at its gate: the reader did not wait for its end)"
+    finally:
+        gate.set()
+        download.join(30)
+    assert cache.lookup("u", SHA) is not None and open(cache.lookup("u", SHA), "rb").read() == DATA
 
 
 class _Object:
