@@ -15,6 +15,10 @@ byte-wise transpose, ~40% of `raster`'s time) are never made.
 foreground pixel in column-major order lies in the foreground run whose cumulative length first
 passes n, found by one search over the runs. O(runs + picks), no raster at all. `parse` gives
 masks parsed once for both (`bits_of`, `foreground_pixels`).
+
+`crop` keeps the pixels of a window of rows and columns, as masks of the window's size: the
+window's pixels in column-major order are a sub-sequence of the mask's, so each run keeps the
+count of its pixels inside (`areas`, `tight_boxes` and `foreground_pixels` then see only those).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 from pipeline.errors import RLEError
 
 __all__ = ["RLEError", "Runs", "fit", "nearest_index", "affine_index", "run_lengths", "parse", "check", "raster",
-           "raster_bits", "bits_of", "bits_at", "foreground_pixels"]
+           "raster_bits", "bits_of", "bits_at", "foreground_pixels", "crop", "areas", "tight_boxes"]
 
 _MAX_CHARS_PER_VALUE = 12  # 60 bits: more would overflow int64, and no valid mask needs it
 
@@ -113,7 +117,7 @@ def _owner(lens: np.ndarray, char_index: int) -> int:
 class Runs:
     """Masks parsed once and checked (`parse`), for `bits_of` and `foreground_pixels` alike: run lengths
     of all (concatenated), runs per mask, each run's end counted over all, each mask's first run, and
-    which runs are of 1s."""
+    which runs are of 1s. A window of larger masks (`crop`) starts at `origin` (row, column) of them."""
 
     size: tuple[int, int]
     runs: np.ndarray
@@ -121,9 +125,21 @@ class Runs:
     total: np.ndarray
     first: np.ndarray
     foreground: np.ndarray  # bool per run: odd within its mask (runs alternate 0s and 1s, 0s first)
+    origin: tuple[int, int] = (0, 0)
 
     def __len__(self) -> int:
         return len(self.runs_per)
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Each run's end, counted in its own mask's pixels (column-major)."""
+        return self.total - np.repeat(self.total[self.first] - self.runs[self.first], self.runs_per)
+
+    def subset(self, keep: np.ndarray) -> Runs:
+        """These masks, only those `keep` (bool, one per mask) marks."""
+        runs_per, run_kept = self.runs_per[keep], np.repeat(keep, self.runs_per)
+        return Runs(self.size, self.runs[run_kept], runs_per, self.total[run_kept], np.cumsum(runs_per) - runs_per,
+                    self.foreground[run_kept], self.origin)
 
 
 def parse(strings: Sequence[bytes], size: tuple[int, int]) -> Runs:
@@ -160,8 +176,7 @@ def _columns(parsed: Runs, ys: np.ndarray, xs: np.ndarray) -> tuple[np.ndarray, 
     """The masks sampled at rows `ys` and the distinct of columns `xs` (both non-decreasing), column-major:
     (k, columns, len(ys)) bool, and each output column's index among them."""
     (height, width), h = parsed.size, len(ys)
-    k, runs, runs_per, total, first = len(parsed), parsed.runs, parsed.runs_per, parsed.total, parsed.first
-    bounds = total - np.repeat(total[first] - runs[first], runs_per)  # end of each run, per mask
+    k, bounds, first = len(parsed), parsed.ends, parsed.first
     columns, column_of = np.unique(xs, return_inverse=True)
     # Sampled pixels before a boundary at (col, row): all of the sampled columns left of col,
     # plus, when col is sampled, its sampled rows above row. Tables make both lookups gathers.
@@ -244,8 +259,9 @@ def bits_at(parsed: Runs, ys: np.ndarray, xs: np.ndarray, mirrored: bool = False
 def foreground_pixels(parsed: Runs, fractions: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
     """Full-resolution pixels of parsed masks: for fractions (n, K) in [0, 1), mask rows[i]'s (rows:
     default 0..n-1) foreground pixel number floor(fractions[i, j] * its area) in column-major (COCO)
-    order, as (n, K, 2) int64 (x, y) = (column, row). Uniform fractions give pixels uniform over each
-    mask. Raises RLEError (naming i) for a row whose mask has no foreground pixel."""
+    order, as (n, K, 2) int64 (x, y) = (column, row), of the full masks when these are a window
+    (`crop`). Uniform fractions give pixels uniform over each mask. Raises RLEError (naming i) for a
+    row whose mask has no foreground pixel."""
     runs, total, first = parsed.runs, parsed.total, parsed.first
     if rows is None:
         rows = np.arange(len(parsed))
@@ -262,4 +278,47 @@ def foreground_pixels(parsed: Runs, fractions: np.ndarray, rows: np.ndarray | No
     mask_start = (total[first] - runs[first])[rows][:, None]
     pixel = total[run] - foreground[run] + wanted - mask_start  # its run's end, less what of the run is after it
     column, row = np.divmod(pixel, parsed.size[0])
-    return np.stack([column, row], axis=-1)
+    return np.stack([column + parsed.origin[1], row + parsed.origin[0]], axis=-1)
+
+
+def crop(parsed: Runs, rows: tuple[int, int], columns: tuple[int, int]) -> Runs:
+    """The masks' pixels in rows [top, bottom) and columns [left, right) (`rows`, `columns`), as masks
+    of that window (origin (top, left)): each run keeps the count of its pixels inside, maybe 0. O(runs)."""
+    (top, bottom), (left, right), height = rows, columns, parsed.size[0]
+    h, w = max(0, bottom - top), max(0, right - left)
+
+    def inside_before(pixel: np.ndarray) -> np.ndarray:  # the window's pixels before each (column-major) pixel
+        column, row = np.divmod(pixel, height)
+        within = (column >= left) & (column < right)
+        return np.clip(column - left, 0, w) * h + np.where(within, np.clip(row - top, 0, h), 0)
+
+    ends = inside_before(parsed.ends)  # (each run's end in the window: a `total` of its own mask's)
+    runs = ends - inside_before(parsed.ends - parsed.runs)
+    return Runs((h, w), runs, parsed.runs_per, ends, parsed.first, parsed.foreground, (top, left))
+
+
+def areas(parsed: Runs) -> np.ndarray:
+    """The foreground pixels of each mask: (k,) int64."""
+    if not len(parsed):
+        return np.zeros(0, np.int64)
+    return np.add.reduceat(parsed.runs * parsed.foreground, parsed.first)
+
+
+def tight_boxes(parsed: Runs) -> np.ndarray:
+    """Each mask's foreground's tight box, (k, 4) int64 pixel edges XYXY (x1, y1 one past the last
+    pixel), of the full masks when these are a window (`crop`); (0, 0, 0, 0) for a mask with none."""
+    k, height = len(parsed), parsed.size[0]
+    boxes = np.zeros((k, 4), np.int64)
+    solid = parsed.foreground & (parsed.runs > 0)
+    mask = np.repeat(np.arange(k), parsed.runs_per)[solid]
+    if not mask.size:
+        return boxes
+    ends = parsed.ends[solid]
+    (c0, r0), (c1, r1) = np.divmod(ends - parsed.runs[solid], height), np.divmod(ends - 1, height)
+    wraps = c0 != c1  # (a run over a column's end covers its last row and the next column's first)
+    top, bottom = np.where(wraps, 0, r0), np.where(wraps, height - 1, r1)
+    present, start = np.unique(mask, return_index=True)
+    boxes[present] = np.stack([np.minimum.reduceat(c0, start), np.minimum.reduceat(top, start),
+                               np.maximum.reduceat(c1, start) + 1, np.maximum.reduceat(bottom, start) + 1], 1)
+    boxes[present] += [parsed.origin[1], parsed.origin[0]] * 2
+    return boxes

@@ -12,15 +12,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pycocotools import mask as mask_utils
 
-from pipeline.rle import (RLEError, affine_index, bits_at, check, fit, foreground_pixels, nearest_index, parse, raster,
-                          raster_bits)
+from pipeline.rle import (RLEError, affine_index, areas, bits_at, check, crop, fit, foreground_pixels, nearest_index,
+                          parse, raster, raster_bits, tight_boxes)
+
+
+def _nearest(src: int, dst: int) -> np.ndarray:
+    """The source pixel under each of `dst` output pixels' centers, floor((i + 1/2) x src / dst), in exact fractions."""
+    return np.array([math.floor((i + Fraction(1, 2)) * src / dst) for i in range(dst)], dtype=np.int64)
 
 
 def _reference(masks: np.ndarray, out: tuple[int, int]) -> tuple[list[bytes], np.ndarray]:
     """(H, W, k) uint8 masks -> their COCO strings and pycocotools' decode sampled at `out`."""
     rles = mask_utils.encode(np.asfortranarray(masks))
     full = mask_utils.decode(rles)
-    ys, xs = nearest_index(masks.shape[0], out[0]), nearest_index(masks.shape[1], out[1])
+    ys, xs = _nearest(masks.shape[0], out[0]), _nearest(masks.shape[1], out[1])
     return [r["counts"] for r in rles], full[ys][:, xs].transpose(2, 0, 1).astype(bool)
 
 
@@ -112,7 +117,7 @@ def test_raster_real_photo_segmentation(sa1b_src):
     height, width = rles[0]["size"]
     full = mask_utils.decode(rles)
     for out in [(height, width), fit(height, width, 64), fit(height, width, 300)]:
-        ys, xs = nearest_index(height, out[0]), nearest_index(width, out[1])
+        ys, xs = _nearest(height, out[0]), _nearest(width, out[1])
         got = raster([r["counts"].encode() for r in rles], (height, width), out)
         np.testing.assert_array_equal(got, full[ys][:, xs].transpose(2, 0, 1).astype(bool))
 
@@ -124,9 +129,8 @@ def test_fit_and_nearest():
     assert fit(1, 1000, 10) == (1, 10)
     np.testing.assert_array_equal(nearest_index(4, 2), [1, 3])
     np.testing.assert_array_equal(nearest_index(2, 4), [0, 0, 1, 1])
-    for src, dst in [(1500, 683), (7, 13), (1, 5)]:
-        idx = nearest_index(src, dst)
-        assert idx.min() >= 0 and idx.max() < src and (np.diff(idx) >= 0).all()
+    for src, dst in [(1500, 683), (7, 13), (1, 5), (2250, 1024), (683, 1500), (1, 1)]:
+        np.testing.assert_array_equal(nearest_index(src, dst), _nearest(src, dst))
 
 
 @pytest.mark.parametrize(
@@ -179,6 +183,46 @@ def test_foreground_pixels_are_pycocotools_foreground_in_column_major_order(heig
     rows = rng.integers(0, k, 7)  # (rows: masks picked by index, repeats allowed)
     random = foreground_pixels(parse(strings, (height, width)), rng.random((7, 50)), rows)
     assert full[random[..., 1], random[..., 0], rows[:, None]].all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(height=st.integers(1, 40), width=st.integers(1, 40), k=st.integers(1, 4), style=st.sampled_from(["noise", "blobs"]),
+       window=st.tuples(*[st.integers(-5, 45)] * 4), seed=st.integers(0, 2**32 - 1))
+def test_a_crop_is_the_window_of_pycocotools_masks(height, width, k, style, window, seed):
+    """`crop` to rows [top, bottom) x columns [left, right): its areas, tight boxes, foreground pixels
+    (in the full frame) and a subset of its masks are those of pycocotools' decode cut to the window."""
+    rng = np.random.default_rng(seed)
+    masks = (rng.random((height, width, k)) < 0.3).astype(np.uint8) if style == "noise" else _blobs(rng, height, width, k)
+    full = mask_utils.decode(mask_utils.encode(np.asfortranarray(masks))).transpose(2, 0, 1).astype(bool)
+    top, bottom = sorted(np.clip(window[:2], 0, height))
+    left, right = sorted(np.clip(window[2:], 0, width))
+    cut = np.zeros_like(full)
+    cut[:, top:bottom, left:right] = full[:, top:bottom, left:right]
+    inside = crop(parse([r["counts"] for r in mask_utils.encode(np.asfortranarray(masks))], (height, width)),
+                  (int(top), int(bottom)), (int(left), int(right)))
+    np.testing.assert_array_equal(areas(inside), cut.sum((1, 2)))
+    for i, box in enumerate(tight_boxes(inside)):
+        rows, columns = np.nonzero(cut[i])
+        want = [columns.min(), rows.min(), columns.max() + 1, rows.max() + 1] if rows.size else [0, 0, 0, 0]
+        assert box.tolist() == want, (i, box, want)
+    keep = cut.any((1, 2))
+    kept = inside.subset(keep)
+    if keep.any():
+        picked = foreground_pixels(kept, rng.random((int(keep.sum()), 20)))
+        assert cut[keep][np.arange(int(keep.sum()))[:, None], picked[..., 1], picked[..., 0]].all()
+        counts = (np.arange(int(areas(kept).max()))[None, :] + 0.5) / areas(kept)[:, None]
+        every = foreground_pixels(kept, np.minimum(counts, 0.999999))
+        for j, i in enumerate(np.flatnonzero(keep)):  # the n-th pick is the n-th pixel of the window, column-major
+            columns, rows = np.nonzero(cut[i].T)
+            np.testing.assert_array_equal(every[j, : columns.size], np.stack([columns, rows], 1))
+
+
+def test_a_run_over_a_column_end_spans_every_row_of_the_box():
+    mask = np.zeros((3, 3, 1), np.uint8)
+    mask[2, 0] = mask[0, 1] = 1  # (one run of 1s, column-major: the last row of column 0, the first of column 1)
+    parsed = parse([mask_utils.encode(np.asfortranarray(mask))[0]["counts"]], (3, 3))
+    assert tight_boxes(parsed).tolist() == [[0, 0, 2, 3]]
+    assert tight_boxes(crop(parsed, (1, 3), (0, 3))).tolist() == [[0, 2, 1, 3]]
 
 
 def test_a_mask_with_no_pixel_has_no_point():

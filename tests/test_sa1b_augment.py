@@ -7,6 +7,7 @@ validated."""
 
 from __future__ import annotations
 
+import io
 import math
 import pathlib
 import re
@@ -15,14 +16,13 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from pycocotools import mask as mask_utils
 
 from pipeline import make_stream_loader
 from pipeline.errors import ConfigError
-from pipeline.images import decode_image
 from pipeline.kinds.sa1b import Sa1bOptions
-from pipeline.kinds.sa1b_prompts import choose_masks
-from pipeline.rle import fit, nearest_index
+from pipeline.rle import fit
 from pipeline.seeds import Purpose, key_entropy, sample_rng
 from conftest import sa1b_originals
 
@@ -92,6 +92,23 @@ def test_hflip_draws_per_sample(sa1b_dataset):
     assert 0.2 * count < mirrored < 0.8 * count, (mirrored, count)
 
 
+def _chosen(count: int, epoch: int, key: str) -> np.ndarray:
+    """The masks a sample's own draw picks (its `Purpose.MASKS` stream, drawn here): all of them if at
+    most max_masks=6, else 6 of them, sorted."""
+    if count <= 6:
+        return np.arange(count)
+    return np.sort(sample_rng(11, epoch, Purpose.MASKS, key_entropy(key)).choice(count, 6, replace=False))
+
+
+def _resized(jpg: bytes, size: tuple) -> torch.Tensor:
+    """Pillow's decode at the smallest DCT scale covering `size` (its `draft`), resized by torch's
+    antialiased bilinear filter: (3, h, w) uint8."""
+    image = Image.open(io.BytesIO(jpg))
+    image.draft("RGB", (size[1], size[0]))
+    pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)[None]
+    return torch.nn.functional.interpolate(pixels, size=size, mode="bilinear", antialias=True)[0]
+
+
 def test_square_resize_warps_image_masks_and_columns(sa1b_dataset, sources):
     batches = _epoch(sa1b_dataset, resize="square", **SAM)
     plain = _epoch(sa1b_dataset, **SAM)
@@ -105,11 +122,11 @@ def test_square_resize_warps_image_masks_and_columns(sa1b_dataset, sources):
         for i, key in enumerate(batch["keys"]):
             (meta, jpg), n = sources[key], int(batch["mask_counts"][i])
             height, width = meta["image"]["height"], meta["image"]["width"]
-            assert torch.equal(batch["images"][i], decode_image(jpg, (80, 80), "src", key))
-            chosen = choose_masks(len(meta["annotations"]), 6, 11, 1, key)
+            assert torch.equal(batch["images"][i], _resized(jpg, (80, 80)))
+            chosen = _chosen(len(meta["annotations"]), 1, key)
             assert len(chosen) == n
             full = mask_utils.decode([meta["annotations"][j]["segmentation"] for j in chosen])
-            want = full[nearest_index(height, 32)][:, nearest_index(width, 32)].transpose(2, 0, 1)
+            want = full[_warp(height, 32, 0, 32, Fraction(1))][:, _warp(width, 32, 0, 32, Fraction(1))].transpose(2, 0, 1)
             assert torch.equal(batch["masks"][i, :n], torch.from_numpy(want.astype(bool)))
             x, y, w, h = np.array([meta["annotations"][j]["bbox"] for j in chosen]).reshape(-1, 4).T
             sx, sy = 80 / width, 80 / height
@@ -121,10 +138,10 @@ def test_square_resize_warps_image_masks_and_columns(sa1b_dataset, sources):
     assert checked > 30
 
 
-def _warp(src: int, scaled: int, offset: int, count: int) -> np.ndarray:
-    """The original pixels a jittered mask's pixels sample (mask pixel j: 80 / 32 image pixels wide),
+def _warp(src: int, scaled: int, offset: int, count: int, width: Fraction = Fraction(80, 32)) -> np.ndarray:
+    """The original pixels a jittered mask's pixels sample (mask pixel j: `width` image pixels wide),
     those inside the original, by exact fractions."""
-    found = [math.floor(((j + Fraction(1, 2)) * Fraction(80, 32) + offset) * src / scaled) for j in range(count)]
+    found = [math.floor(((j + Fraction(1, 2)) * width + offset) * src / scaled) for j in range(count)]
     return np.array([v for v in found if v < src], dtype=np.int64)
 
 
@@ -138,10 +155,36 @@ def _jitter(meta: dict, key: str, epoch: int, lo: float, hi: float) -> tuple:
     return scaled, (oy, ox), (min(scaled[0] - oy, 80), min(scaled[1] - ox, 80))
 
 
+def _shown(full: np.ndarray, size: tuple, scaled: tuple, offset: tuple, content: tuple) -> np.ndarray:
+    """Which full-size mask pixels a crop shows: those whose centers land in the content, decided in
+    exact integers (row r's center, (r + 1/2) x h_scaled / H, in [oy, oy + ch); columns likewise)."""
+    def centers(src: int, sc: int, off: int, length: int) -> np.ndarray:
+        twice = (2 * np.arange(src) + 1) * sc
+        return (twice >= 2 * off * src) & (twice < 2 * (off + length) * src)
+
+    rows, cols = (centers(size[k], scaled[k], offset[k], content[k]) for k in (0, 1))
+    return full & rows[None, :, None] & cols[None, None, :]
+
+
+def _on_shown_pixels(xy: np.ndarray, shown: np.ndarray, scale: tuple, offset: tuple) -> bool:
+    """Whether every point (XY, canvas) lies in a shown foreground pixel of its mask (shown: (n, H, W))."""
+    (sx, sy), (oy, ox) = scale, offset
+    cols = np.floor((xy[..., 0] + ox) / sx).astype(np.int64)
+    rows = np.floor((xy[..., 1] + oy) / sy).astype(np.int64)
+    h, w = shown.shape[1:]
+    if (cols < 0).any() or (cols >= w).any() or (rows < 0).any() or (rows >= h).any():
+        return False
+    masks = np.arange(len(shown)).reshape((-1,) + (1,) * (xy.ndim - 2))
+    return bool(shown[masks, rows, cols].all())
+
+
 def test_scale_jitter_masks_equal_pycocotools_warped(sa1b_dataset, sources):
+    """Masks, boxes, areas and every prompt of a jittered sample against pycocotools' full-size masks
+    warped and cropped here: boxes the tight box of what the crop shows, areas its pixels, points on
+    it; a mask with nothing shown is dropped."""
     jitter = dict(SAM, scale_jitter=(0.5, 4.0))
     kind = make_stream_loader(sa1b_dataset, "train", **BASE, **jitter).kind
-    seen = {"cropped": 0, "padded": 0, "dropped": 0, "masks": 0}
+    seen = {"cropped": 0, "padded": 0, "dropped": 0, "masks": 0, "cut": 0, "moved_points": 0}
     for epoch, batch in [(e, b) for e in (1, 2) for b in _epoch(sa1b_dataset, e, **jitter)]:
         assert kind.check(batch, epoch) == []
         for i, key in enumerate(batch["keys"]):
@@ -149,26 +192,41 @@ def test_scale_jitter_masks_equal_pycocotools_warped(sa1b_dataset, sources):
             height, width = meta["image"]["height"], meta["image"]["width"]
             (sh, sw), (oy, ox), (ch, cw) = _jitter(meta, key, epoch, 0.5, 4.0)
             assert batch["image_sizes"][i].tolist() == [ch, cw]
-            image = decode_image(jpg, (sh, sw), "src", key)[:, oy : oy + ch, ox : ox + cw]
+            image = _resized(jpg, (sh, sw))[:, oy : oy + ch, ox : ox + cw]
             assert torch.equal(batch["images"][i, :, :ch, :cw], image) and not batch["images"][i, :, ch:].any()
-            chosen = choose_masks(len(meta["annotations"]), 6, 11, epoch, key)
-            x, y, w, h = np.array([meta["annotations"][j]["bbox"] for j in chosen]).reshape(-1, 4).T
-            x0, y0 = x * sw / width - ox, y * sh / height - oy
-            x1, y1 = (x + w) * sw / width - ox, (y + h) * sh / height - oy
-            inside = (x1 > 0) & (y1 > 0) & (x0 < cw) & (y0 < ch)
-            kept = chosen[inside]
-            assert n == len(kept)
+            chosen = _chosen(len(meta["annotations"]), epoch, key)
+            full = mask_utils.decode([meta["annotations"][j]["segmentation"] for j in chosen]).transpose(2, 0, 1)
+            shown = _shown(full.reshape(-1, height, width).astype(bool), (height, width), (sh, sw), (oy, ox), (ch, cw))
+            kept = shown.reshape(len(chosen), -1).any(1)
+            assert n == kept.sum()
+            full, shown = full[kept], shown[kept]
             ys, xs = _warp(height, sh, oy, 32), _warp(width, sw, ox, 32)
-            full = mask_utils.decode([meta["annotations"][j]["segmentation"] for j in kept]).transpose(2, 0, 1)
             want = torch.zeros((n, 32, 32), dtype=torch.bool)
             want[:, : len(ys), : len(xs)] = torch.from_numpy(full[:, ys][:, :, xs].astype(bool))
             assert torch.equal(batch["masks"][i, :n], want)
-            boxes = np.clip(np.stack([x0, y0, x1, y1], 1)[inside], 0, (cw, ch, cw, ch))
+            sx, sy = sw / width, sh / height
+            boxes = []
+            for m in shown:
+                r, c = np.nonzero(m)
+                boxes.append([c.min() * sx - ox, r.min() * sy - oy, (c.max() + 1) * sx - ox, (r.max() + 1) * sy - oy])
+            boxes = np.clip(np.array(boxes).reshape(-1, 4), 0, (cw, ch, cw, ch))
             np.testing.assert_allclose(batch["boxes"][i, :n], boxes, rtol=1e-6, atol=1e-4)
+            np.testing.assert_allclose(batch["areas"][i, :n], shown.sum((1, 2)) * sx * sy, rtol=1e-6)
+            assert _on_shown_pixels(batch["point_coords"][i, :n].numpy(), shown, (sx, sy), (oy, ox))
+            bound = 20 * max(sx, sy) + 1e-3  # (noise of at most 20 original pixels a corner, then clipped)
+            assert (batch["prompt_boxes"][i, :n] - batch["boxes"][i, :n]).abs().max() <= bound if n else True
+            stored = np.array([meta["annotations"][j]["point_coords"][0] for j in np.asarray(chosen)[kept]])
+            stored = stored.reshape(-1, 2) * (sx, sy) - (ox, oy)
+            inside = (stored >= 0).all(1) & (stored < (cw, ch)).all(1)
+            points = batch["points"][i, :n].numpy()
+            np.testing.assert_allclose(points[inside], stored[inside], rtol=1e-6, atol=1e-4)
+            assert _on_shown_pixels(points[~inside][:, None], shown[~inside], (sx, sy), (oy, ox))
             seen["cropped"] += (sh, sw) != (ch, cw)
             seen["padded"] += max(sh, sw) < 80
             seen["dropped"] += len(chosen) - n
             seen["masks"] += n
+            seen["cut"] += int((shown.sum((1, 2)) < full.sum((1, 2))).sum())
+            seen["moved_points"] += int((~inside).sum())
     assert all(count > 2 for count in seen.values()), seen
 
 

@@ -105,7 +105,7 @@ def test_points_lie_on_their_masks_at_full_size_and_masks_follow_the_rules(sa1b_
 def _point_counts(mask: np.ndarray, points: int, key: str) -> np.ndarray:
     """How often each foreground pixel of `mask` (H, W) is drawn in `points` draws, column-major."""
     rle = mask_utils.encode(np.asfortranarray(mask[..., None].astype(np.uint8)))[0]
-    xy = point_prompts(parse([rle["counts"]], mask.shape), np.zeros(1, np.int64), mask.shape, points,
+    xy = point_prompts(parse([rle["counts"]], mask.shape), np.zeros(1, np.int64), mask.shape, mask.shape, points,
                        Draw(3, 1, key))[0]  # (frame = original)
     columns, rows = (xy[:, 0] - 0.5).astype(int), (xy[:, 1] - 0.5).astype(int)
     assert mask[rows, columns].all()
@@ -130,7 +130,7 @@ def test_points_are_uniform_over_the_mask():
     yy, xx = np.mgrid[:300, :420]
     large = (yy - 150) ** 2 / 120 ** 2 + (xx - 200) ** 2 / 170 ** 2 < 1  # an ellipse
     rle = mask_utils.encode(np.asfortranarray(large[..., None].astype(np.uint8)))[0]
-    xy = point_prompts(parse([rle["counts"]], large.shape), np.zeros(1, np.int64), large.shape, 20000,
+    xy = point_prompts(parse([rle["counts"]], large.shape), np.zeros(1, np.int64), large.shape, large.shape, 20000,
                        Draw(3, 1, "large"))[0]
     quadrant = (xy[:, 0] > 200).astype(int) * 2 + (xy[:, 1] > 150)
     pixels = np.array([large[:150, :200].sum(), large[150:, :200].sum(), large[:150, 200:].sum(),
@@ -238,10 +238,9 @@ def test_same_prompts_for_any_workers_and_after_resume(sa1b_dataset):
 
 
 def test_check_names_broken_prompts(sa1b_dataset):
-    loader = _loader(sa1b_dataset, **SAM)
+    loader = _loader(sa1b_dataset, **{**SAM, "max_masks": 30})  # (more than some images have: padding rows)
     batch, kind = next(iter(loader)), loader.kind
     assert kind.check(batch, 0) == []
-    n = int(batch["mask_counts"][0])
     for name, change, word in [
         ("point_coords", lambda v: v.double(), "dtype"), ("prompt_boxes", lambda v: v[..., :3], "shape"),
         ("point_coords", lambda v: v + 1000, "outside the image frame"),
@@ -250,10 +249,11 @@ def test_check_names_broken_prompts(sa1b_dataset):
     ]:
         found = kind.check({**batch, name: change(batch[name].clone())}, 0)
         assert any(p.startswith(f"{name}: ") and word in p for p in found), (name, word, found)
-    if batch["point_coords"].shape[1] > n:
-        broken = batch["point_coords"].clone()
-        broken[0, n:] = 1.0
-        assert any("padding" in p for p in kind.check({**batch, "point_coords": broken}, 0))
+    short = int(batch["mask_counts"].argmin())  # (a row with padding: fewer masks than the batch's largest)
+    assert int(batch["mask_counts"][short]) < batch["point_coords"].shape[1], batch["mask_counts"]
+    broken = batch["point_coords"].clone()
+    broken[short, int(batch["mask_counts"][short]):] = 1.0
+    assert kind.check({**batch, "point_coords": broken}, 0) == ["point_coords: non-zero padding beyond mask_counts"]
 
 
 @pytest.mark.parametrize(("bad", "message"), [

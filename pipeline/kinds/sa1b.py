@@ -234,23 +234,25 @@ class Sa1b:
             parsed = parse([counts[i] for i in distinct], (height, width))  # (once: masks and points)
         except RLEError as exc:
             raise _mask_error(exc, distinct, url, key) from exc
+        first_point = np.cumsum(columns["point_counts"]) - columns["point_counts"]
+        shown = view.show(parsed, rows, columns["bbox"][chosen], columns["area"][chosen],
+                          columns["point_coords"][first_point[chosen]])
+        chosen = chosen[shown.kept]
         try:  # (all RLE valid: only a mask with no pixel has no point; drawn while the runs are in cache)
-            prompts = prompts_of(parsed, rows, columns["bbox"][chosen], frame, options, draw)
+            prompts = prompts_of(shown.inside, shown.rows, shown.bbox, (height, width), frame, options, draw)
         except RLEError as exc:
             raise _mask_error(exc, chosen, url, key) from exc
-        masks = bits_at(parsed, view.rows, view.cols, mirrored=(flip := flips(options, draw)))
+        masks = bits_at(shown.masks, view.rows, view.cols, mirrored=(flip := flips(options, draw)))
         clock.split("masks")
-
         (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
-        x, y, bw, bh = columns["bbox"][chosen].T
-        first_point = np.cumsum(columns["point_counts"]) - columns["point_counts"]
+        x, y, bw, bh = shown.bbox.T
         return augmented({
             "key": key,
             "image": image,
-            "masks_packed": masks if len(distinct) == len(chosen) else masks[rows],
+            "masks_packed": masks if len(shown.masks) == len(chosen) else masks[shown.rows],
             "boxes": np.clip(np.stack([x * sx, y * sy, (x + bw) * sx, (y + bh) * sy], 1), 0, (w, h, w, h)),
-            "points": np.clip(columns["point_coords"][first_point[chosen]] * (sx, sy), 0, (w, h)),
-            "areas": columns["area"][chosen] * (sx * sy),
+            "points": np.clip(shown.point * (sx, sy), 0, (w, h)),
+            "areas": shown.area * (sx * sy),
             "predicted_ious": columns["predicted_iou"][chosen],
             "stability_scores": columns["stability_score"][chosen],
             "image_id": info["image_id"],

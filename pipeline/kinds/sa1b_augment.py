@@ -17,9 +17,11 @@ read from an offset (drawn uniformly, in whole scaled pixels, on each axis the s
 overhangs; 0 where it is smaller, then padded on the right and bottom). Masks are sampled straight
 from their RLE at the canvas's mask pixels (`pipeline.rle.affine_index`: mask pixel j, `image_size`
 / `mask_size` image pixels wide, samples original pixel floor(((j + 0.5) x image_size / mask_size +
-offset) x H / h_scaled)), never at full size. A mask whose box lies outside the crop is dropped
-before anything of it is decoded; boxes and points are moved by the offset and clipped to the
-content, areas clipped to their clipped box's area.
+offset) x H / h_scaled)), never at full size. What a crop shows of a mask (`View.show`) is its
+original pixels whose centers land in the content (`View.window`): a mask whose box lies outside the
+crop is dropped before anything of it is decoded, one with no pixel shown before its raster; the
+boxes, areas and prompts of the others describe what is shown (from the runs cut to the window,
+`pipeline.rle.crop`), not the whole mask.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import ConfigError
-from pipeline.rle import affine_index, fit, nearest_index
+from pipeline.rle import Runs, affine_index, areas, crop, fit, foreground_pixels, nearest_index, tight_boxes
 from pipeline.seeds import Purpose
 
-__all__ = ["RESIZE_MODES", "MAX_SCALE", "check_augment", "frames", "flips", "flipped", "View", "view_of", "augmented"]
+__all__ = ["RESIZE_MODES", "MAX_SCALE", "check_augment", "frames", "flips", "flipped", "Shown", "View", "view_of",
+           "augmented"]
 
 RESIZE_MODES = ("longest", "square")
 MAX_SCALE = 10.0  # scale_jitter's largest factor (an image decoded at 10 x image_size on a side)
@@ -91,6 +94,27 @@ def flipped(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shown:
+    """The chosen masks as a view shows them (`View.show`): a row per chosen mask with a pixel shown."""
+
+    masks: Runs  # the distinct masks of the rows, whole: rasterised at the view's rows and columns
+    inside: Runs  # the same masks, only their pixels the canvas shows (`rle.crop`): points are drawn there
+    rows: np.ndarray  # each row's mask among `masks`
+    kept: np.ndarray  # bool per chosen mask: whether it is a row
+    bbox: np.ndarray  # (rows, 4) XYWH, original frame: the tight box of what is shown of the mask
+    area: np.ndarray  # (rows,) original pixels shown
+    point: np.ndarray  # (rows, 2) XY, original frame: the mask's first point, or its middle pixel shown
+
+
+def _centers_in(src: int, scaled: int, start: int, length: int) -> tuple[int, int]:
+    """[first, end): the source pixels p whose centers, (p + 0.5) x scaled / src, lie in [start, start + length)."""
+    def first(at: int) -> int:  # the first p with (p + 0.5) * scaled / src >= at, in exact integers
+        return min(src, max(0, -((scaled - 2 * at * src) // (2 * scaled))))
+
+    return first(start), first(start + length)
+
+
+@dataclasses.dataclass(frozen=True)
 class View:
     """Where an original image of `size` (H, W) lands: scaled to `scaled` (h, w; the frame the image is
     decoded at and columns are scaled to), the canvas read from `offset` (y, x) scaled pixels on, its
@@ -118,6 +142,35 @@ class View:
         right, bottom = (x + bw) * w / width - ox, (y + bh) * h / height - oy
         return (right > 0) & (bottom > 0) & (left < self.content[1]) & (top < self.content[0])
 
+    @property
+    def window(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The original's pixels the content shows, ([top, bottom) rows, [left, right) columns): those
+        whose centers land in it."""
+        (height, width), (h, w), (oy, ox), (ch, cw) = self.size, self.scaled, self.offset, self.content
+        return _centers_in(height, h, oy, ch), _centers_in(width, w, ox, cw)
+
+    def show(self, masks: Runs, rows: np.ndarray, bbox: np.ndarray, area: np.ndarray, point: np.ndarray) -> Shown:
+        """The chosen masks as shown (`Shown`): `masks` the distinct ones parsed, each chosen mask's
+        index among them in `rows`, and its stored `bbox`, `area` and first `point`. Uncropped, all of
+        each; cropped, what the window shows: a mask with no pixel there is dropped, and a first point
+        the crop cut off is replaced by the mask's middle pixel shown (column-major): every point is on it."""
+        if not self.cropped:
+            return Shown(masks, masks, rows, np.ones(len(rows), bool), bbox, area, point)
+        inside = crop(masks, *self.window)
+        pixels = areas(inside)
+        keep = pixels > 0
+        kept = keep[rows]
+        if not keep.all():
+            masks, inside, rows = masks.subset(keep), inside.subset(keep), (np.cumsum(keep) - 1)[rows[kept]]
+        x0, y0, x1, y1 = tight_boxes(inside)[rows].T
+        (height, width), (h, w), (oy, ox), (ch, cw) = self.size, self.scaled, self.offset, self.content
+        point = point[kept].copy()
+        at = point * (w / width, h / height) - (ox, oy)  # (in the canvas)
+        off = ~((at >= 0) & (at < (cw, ch))).all(1)
+        point[off] = foreground_pixels(inside, np.full((int(off.sum()), 1), 0.5), rows[off])[:, 0] + 0.5
+        return Shown(masks, inside, rows, kept, np.stack([x0, y0, x1 - x0, y1 - y0], 1).astype(np.float64),
+                     pixels[keep][rows].astype(np.float64), point)
+
     def image(self, pixels: Any) -> Any:
         """The content of the canvas from the image decoded at `scaled`: (3, h, w)."""
         (oy, ox), (h, w) = self.offset, self.content
@@ -125,7 +178,7 @@ class View:
 
     def place(self, sample: dict[str, Any]) -> dict[str, Any]:
         """A sample's boxes and points (in the scaled frame) moved by the offset and clipped to the
-        content; areas at most their clipped box's."""
+        content (they describe what it shows: `show`)."""
         if not self.cropped:
             return sample
         (oy, ox), (h, w), out = self.offset, self.content, dict(sample)
@@ -135,8 +188,6 @@ class View:
         for name in _POINTS:
             if name in sample:
                 out[name] = np.clip(sample[name] - np.array([ox, oy], sample[name].dtype), 0, (w, h))
-        boxes = out["boxes"]
-        out["areas"] = np.minimum(sample["areas"], (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]))
         return out
 
 

@@ -127,13 +127,14 @@ def chosen_masks(columns: dict[str, np.ndarray], size: tuple[int, int], options:
     return chosen
 
 
-def point_prompts(masks: Runs, rows: np.ndarray, frame: tuple[int, int], points: int, draw: Draw) -> np.ndarray:
+def point_prompts(masks: Runs, rows: np.ndarray, size: tuple[int, int], frame: tuple[int, int], points: int,
+                  draw: Draw) -> np.ndarray:
     """(n, points, 2) float32 XY in the image frame: for each of the n rows (a mask of `masks`, parsed
-    RLE of the original image), `points` pixels drawn uniformly, independently, over its foreground
-    at full resolution (from its runs: no raster), each at its pixel's center."""
+    RLE of the original image of `size`, or the window of it a crop shows: `rle.crop`), `points`
+    pixels drawn uniformly, independently, over its foreground at full resolution (from its runs: no
+    raster), each at its pixel's center."""
     fractions = draw.rng(Purpose.POINTS).random((len(rows), points))
     pixels = foreground_pixels(masks, fractions, rows)
-    size = masks.size
     scale = np.array([frame[1] / size[1], frame[0] / size[0]])
     return ((pixels + 0.5) * scale).astype(np.float32)
 
@@ -158,16 +159,16 @@ def box_prompts(bbox: np.ndarray, size: tuple[int, int], frame: tuple[int, int],
     return (ordered * np.array([frame[1] / width, frame[0] / height] * 2)).astype(np.float32)
 
 
-def prompts_of(masks: Runs, rows: np.ndarray, bbox: np.ndarray, frame: tuple[int, int], options: Any,
-               draw: Draw) -> dict[str, np.ndarray]:
+def prompts_of(masks: Runs, rows: np.ndarray, bbox: np.ndarray, size: tuple[int, int], frame: tuple[int, int],
+               options: Any, draw: Draw) -> dict[str, np.ndarray]:
     """The prompts the options ask for (`point_coords`, `prompt_boxes`) of the chosen masks' rows: each
-    row's mask among `masks` (parsed), and its `bbox` (XYWH, original frame); a repeated mask's rows
-    each draw their own."""
+    row's mask among `masks` (parsed, or the window a crop shows), and its `bbox` (XYWH, frame of the
+    original of `size`); a repeated mask's rows each draw their own."""
     prompts = {}
     if options.points_per_mask:
-        prompts["point_coords"] = point_prompts(masks, rows, frame, options.points_per_mask, draw)
+        prompts["point_coords"] = point_prompts(masks, rows, size, frame, options.points_per_mask, draw)
     if options.box_noise is not None:
-        prompts["prompt_boxes"] = box_prompts(bbox, masks.size, frame, options, draw)
+        prompts["prompt_boxes"] = box_prompts(bbox, size, frame, options, draw)
     return prompts
 
 
