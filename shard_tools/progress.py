@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -15,12 +16,12 @@ log = logging.getLogger("shard_tools.pack")  # (the packers' logger: the lines u
 
 
 class Progress:
-    """A tqdm bar on a terminal; otherwise a plain log line at most every `every` seconds."""
+    """A tqdm bar on a terminal; otherwise a plain log line at most every `every` seconds (of `clock`)."""
 
     def __init__(self, total: int, enabled: bool, every: float = 10.0, *, unit: str = "img",
-                 what: str = "packed %d/%d samples") -> None:
-        self.total, self.done, self.every, self.what = total, 0, every, what
-        self.start = self.last = time.monotonic()
+                 what: str = "packed %d/%d samples", clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self.done, self.every, self.what, self.clock = total, 0, every, what, clock
+        self.start = self.last = clock()
         tty = enabled and sys.stderr.isatty()
         self.bar = tqdm(total=total, unit=unit, smoothing=0.1, dynamic_ncols=True) if tty else None
         self.enabled = enabled
@@ -31,7 +32,7 @@ class Progress:
         if self.bar is not None:
             self.bar.update(n)
             return
-        now = time.monotonic()
+        now = self.clock()
         if self.enabled and (now - self.last >= self.every or (n and self.done == self.total)):
             self.last = now
             rate = self.done / max(now - self.start, 1e-9)

@@ -6,7 +6,6 @@ import io
 import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import subprocess
@@ -300,14 +299,19 @@ def test_a_killed_pack_leaves_no_worker_running_and_its_rerun_is_byte_identical(
 
 
 def test_progress_off_a_terminal_is_a_line_per_interval_and_one_at_the_end(caplog):
-    bar = Progress(10, True, every=0.2)
-    bar.update(3)  # (not due yet)
-    time.sleep(0.25)
-    bar.update(0)  # due: a line, whatever the count
-    bar.update(7)  # the end: its line
-    bar.update(0)
+    """On a clock the test moves: no line before `every` seconds, one when due (whatever the count),
+    one at the end; each with the rate and ETA of the counts and seconds so far."""
+    now = [100.0]
+    bar = Progress(10, True, every=0.2, clock=lambda: now[0])
+    now[0] += 0.1
+    bar.update(3)  # (not due yet: 0.1 s)
+    now[0] += 0.15
+    bar.update(0)  # due (0.25 s): a line, whatever the count
+    now[0] += 0.25
+    bar.update(7)  # the end (0.5 s): its line
+    now[0] += 0.05
+    bar.update(0)  # (not due: 0.05 s after the last line)
     bar.close()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("packed")]
-    assert len(lines) == 2, lines
-    assert re.fullmatch(r"packed 3/10 samples \(\d+\.\d/s, ETA \d+ s\)", lines[0]), lines
-    assert re.fullmatch(r"packed 10/10 samples \(\d+\.\d/s, ETA 0 s\)", lines[1]), lines
+    assert lines == ["packed 3/10 samples (12.0/s, ETA 1 s)",  # 3 in 0.25 s; 7 left at 12/s: 0.58 s
+                     "packed 10/10 samples (20.0/s, ETA 0 s)"], lines  # 10 in 0.5 s
