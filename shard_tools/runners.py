@@ -181,7 +181,8 @@ def dask_tasks(address: str, calls: Sequence[tuple[Any, ...]], names: Sequence[s
     try:
         from distributed import Client, Event, LocalCluster, as_completed
     except ImportError as exc:
-        raise PackError("--dask needs the dask extra: pip install 'shardstream[dask]'") from exc
+        raise PackError("--dask needs dask.distributed: install the package's dask extra, "
+                        "or pip install 'dask[distributed]>=2023.1'") from exc
     run = f"shard-pack-{uuid.uuid4().hex[:12]}"
     tick = _DaskStop(f"{run}-stop")
     futures: dict[Any, int] = {}

@@ -31,7 +31,7 @@ SCHEMES = ("az", "abfs", "abfss")
 # Azurite's well-known development account (public: the emulator's documentation and every Azure SDK name it).
 EMULATOR_ACCOUNT = "devstoreaccount1"
 EMULATOR_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-_EXTRA = "pip install 'shardstream[azure]'"
+_EXTRA = "install the package's azure extra, or pip install 'adlfs>=2024.7' 'obstore>=0.12,<0.13'"
 _ACCOUNT_HELP = ("storage_options (connection_string, or account_name with account_key or sas_token), or the "
                  "environment: AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
                  "AZURE_STORAGE_ACCOUNT_KEY, or AZURE_STORAGE_USE_EMULATOR for Azurite")

@@ -74,7 +74,8 @@ def _s3fs(url: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
         options.setdefault("session", _botocore_session())
         fs, _ = url_to_fs(url, **options)
     except ImportError as exc:
-        raise ConfigError(f"{url}: reading or writing S3 needs s3fs ({exc}): pip install 'shardstream[s3]'") from exc
+        raise ConfigError(f"{url}: reading or writing S3 needs s3fs ({exc}): install the package's s3 extra, "
+                          "or pip install 's3fs>=2023.1' 'obstore>=0.12,<0.13'") from exc
     if "retries" not in options:
         fs.retries = 1  # s3fs's own loop: one try
     return fs

@@ -26,7 +26,7 @@ __all__ = ["ENVIRONMENT", "GCSClient", "GCSError", "SCHEMES", "client", "filesys
 SCHEMES = ("gs", "gcs")
 # The environment gcsfs and google-auth read when a filesystem is made (names starting so).
 ENVIRONMENT = ("GOOGLE_", "STORAGE_EMULATOR_HOST", "CLOUDSDK_", "GCSFS_")
-_EXTRA = "pip install 'shardstream[gcs]'"
+_EXTRA = "install the package's gcs extra, or pip install 'gcsfs>=2024.2' 'obstore>=0.12,<0.13'"
 # gcsfs options that change nothing in a ranged read or a size (listing, caching, uploads, other buckets).
 _NO_EFFECT = {"project", "block_size", "consistency", "cache_timeout", "secure_serialize", "check_connection",
               "default_location", "version_aware", "skip_instance_cache", "use_listings_cache", "listings_expiry_time",

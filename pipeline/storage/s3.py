@@ -183,7 +183,8 @@ class Declined(Exception):
 
 def _unusable(bucket: str, key: str) -> str | None:
     where = None if bucket and not bucket.endswith("--x-s3") else f"bucket {bucket!r} (S3 Express or none)"
-    return unusable(where, key, ("key", "s3fs"), "pip install 'shardstream[s3]'")
+    return unusable(where, key, ("key", "s3fs"),
+                    "install the package's s3 extra, or pip install 's3fs>=2023.1' 'obstore>=0.12,<0.13'")
 
 
 def unusable(where: str | None, key: str, names: tuple[str, str], extra: str) -> str | None:
