@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -54,5 +55,19 @@ def test_the_loader_takes_a_config_keywords_or_both(sa1b_dataset):
 
 
 def test_an_unknown_keyword_is_refused_by_name(sa1b_dataset):
-    with pytest.raises(ValueError, match=r"sa1b datasets do not take these options \['batch_szie'\].*LoaderConfig"):
+    with pytest.raises(ValueError, match=r"sa1b datasets do not take 'batch_szie' \(did you mean 'batch_size'\?\).*LoaderConfig"):
         make_stream_loader(sa1b_dataset, "train", batch_szie=2, batch_size=2, num_workers=0)
+
+
+def test_only_the_options_not_taken_are_named(sa1b_dataset):
+    """Valid options given beside an unknown one are not blamed; each unknown one gets the closest name."""
+    with pytest.raises(ValueError) as info:
+        make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, image_size=256, max_masks=8, bogus=1)
+    message = str(info.value)
+    assert message.startswith("sa1b datasets do not take 'bogus': neither an option of theirs (box_noise, ")
+    assert "image_size'" not in message.split(":")[0] and "max_masks'" not in message
+    with pytest.raises(ValueError, match=r"^sa1b datasets do not take 'image_sze' \(did you mean 'image_size'\?\), "
+                                         r"'point_per_mask' \(did you mean 'points_per_mask'\?\): "):
+        make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, point_per_mask=1, image_sze=256)
+    with pytest.raises(ValueError, match=re.escape("'max_image_pixels' (a read limit: limits=ReadLimits(max_image_pixels=...))")):
+        make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, max_image_pixels=1 << 20)

@@ -541,7 +541,7 @@ def test_fields_select_what_batches_hold_and_device_moves_them(emb_src, emb_data
     ({"take": {"relevance": 1}}, "has no axis to take from"),
     ({"take": {"negative_embs": K + 1}}, f"take['negative_embs'] must be an int in [0, {K}]"),
     ({"take": {"negative_embs": 1}, "fields": ("question_emb",)}, "is not a field batches hold"),
-    ({"max_masks": 3}, "do not take these options"),
+    ({"max_masks": 3}, "embeddings datasets do not take 'max_masks'"),
 ])
 def test_bad_options_are_refused(emb_dataset, options, message):
     with pytest.raises(ValueError) as info:

@@ -142,7 +142,7 @@ def test_trl_dataset_images_at_a_pixel_budget_unpadded(vqa):
 
 
 def test_trl_dataset_refuses_other_kinds(sa1b_dataset):
-    with pytest.raises(ValueError, match="do not take these options"):
+    with pytest.raises(ValueError, match="sa1b datasets do not take 'form'"):
         trl_dataset(sa1b_dataset, "train")
 
 

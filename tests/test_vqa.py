@@ -580,7 +580,7 @@ def test_records_are_checked_strictly_when_read(packed):
     for value in ("bad", 0, True):
         with pytest.raises(ValueError):
             VqaOptions(per=value) if isinstance(value, str) else VqaOptions(image_size=value)
-    with pytest.raises(ValueError, match="do not take these options"):
+    with pytest.raises(ValueError, match="vqa datasets do not take 'mask_size'"):
         make_stream_loader(packed["vqa-rad"], "train", batch_size=2, num_workers=0, mask_size=3)
 
 

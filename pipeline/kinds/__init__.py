@@ -16,15 +16,19 @@ shows each as "decode (name)" and the rest of the call as "decode (rest)".
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from pipeline.config import LoaderConfig
 from pipeline.errors import ConfigError
 from pipeline.format import Manifest
 from pipeline.kinds.embeddings import Embeddings
 from pipeline.kinds.sa1b import Sa1b
 from pipeline.kinds.vqa import Vqa
 from pipeline.stats import Clock
+from pipeline.tario import ReadLimits
 from pipeline.kinds.webdataset import WebDataset
 
 __all__ = ["Kind", "KINDS", "kind_of"]
@@ -37,6 +41,7 @@ class Kind(Protocol):
     grouped: bool
     units: bool  # whether the plan orders a sample's units (else: samples)
     stages: tuple[str, ...]  # the parts of `decode` it times on its clock (see the module docstring)
+    takes: frozenset[str]  # the options `of` takes from the user (the rest of its options: manifests', limits')
 
     @classmethod
     def of(cls, manifests: Sequence[Manifest], limits: Any, **options: Any) -> Kind:
@@ -70,15 +75,29 @@ KINDS: dict[str, type[Kind]] = {"sa1b": Sa1b, "vqa": Vqa, "embeddings": Embeddin
 
 
 def kind_of(manifests: Sequence[Manifest], limits: Any, **options: Any) -> Kind:
-    """The kind of these datasets (all of one kind) with the user's options; an option the kind does
-    not take is refused with its name."""
+    """The kind of these datasets (all of one kind) with the user's options; options the kind does
+    not take are refused, each named with the closest name it may have meant."""
     name = manifests[0].kind
     if name != "webdataset" and {"decode", "collate"} & set(options):
         raise ConfigError(f"decode= and collate= are for webdataset datasets (`shard-pack index webdataset`); {name} "
                           f"datasets are decoded by their kind, pipeline.kinds.{name} "
                           f"(its options: see make_stream_loader)")
-    try:
-        return KINDS[name].of(manifests, limits, **options)
-    except TypeError as exc:  # an option this kind does not have
-        raise ConfigError(f"{name} datasets do not take these options {sorted(options)}, nor are they loader "
-                          f"settings (see LoaderConfig): {exc}") from exc
+    kind = KINDS[name]
+    unknown = sorted(set(options) - kind.takes)
+    if unknown:
+        raise ConfigError(f"{name} datasets do not take {', '.join(_meant(o, kind.takes) for o in unknown)}: "
+                          f"neither an option of theirs ({', '.join(sorted(kind.takes))}) nor a loader setting "
+                          f"(see LoaderConfig)")
+    return kind.of(manifests, limits, **options)
+
+
+_LIMITS = frozenset(f.name for f in dataclasses.fields(ReadLimits))
+_SETTINGS = frozenset(f.name for f in dataclasses.fields(LoaderConfig))
+
+
+def _meant(option: str, takes: frozenset[str]) -> str:
+    """An option no kind or setting has, with what it may have meant."""
+    if option in _LIMITS:
+        return f"{option!r} (a read limit: limits=ReadLimits({option}=...))"
+    close = difflib.get_close_matches(option, sorted(takes | _SETTINGS), n=1)
+    return f"{option!r} (did you mean {close[0]!r}?)" if close else repr(option)

@@ -281,6 +281,7 @@ class Embeddings:
     grouped = True
     units = True  # a block's rows
     stages = ()  # decode is one stage
+    takes = frozenset(f.name for f in dataclasses.fields(EmbeddingsOptions)) - {"schema", "rows"}  # (the manifest's)
 
     @classmethod
     def of(cls, manifests: Sequence[Manifest], limits: Any, **options: Any) -> Embeddings:

@@ -31,10 +31,8 @@ from pipeline.kinds.schema import BatchField, problems
 from pipeline.rle import RLEError, bits_at, check, parse
 from pipeline.stats import Clock
 
-__all__ = [
-    "Sa1bOptions", "decode_image", "choose_masks", "MAX_IMAGE_PIXELS", "annotation_record", "annotation_arrays",
-    "original_record", "Sa1b",
-]
+__all__ = ["Sa1bOptions", "decode_image", "choose_masks", "MAX_IMAGE_PIXELS", "annotation_record",
+           "annotation_arrays", "original_record", "Sa1b"]
 
 STAGES = ("image", "masks")  # the parts of `Sa1b.decode` it times (`Kind.stages`; "masks": and their prompts)
 
@@ -201,6 +199,7 @@ class Sa1b:
     grouped = False
     units = False  # one unit per sample: the plan orders samples
     stages = STAGES
+    takes = frozenset(f.name for f in dataclasses.fields(Sa1bOptions)) - {"max_image_pixels"}  # (ReadLimits')
 
     @classmethod
     def of(cls, manifests: Sequence[Any], limits: Any, **options: Any) -> Sa1b:

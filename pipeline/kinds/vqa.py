@@ -222,6 +222,7 @@ class Vqa:
     options: VqaOptions
     grouped = False
     stages = STAGES
+    takes = frozenset(f.name for f in dataclasses.fields(VqaOptions)) - {"max_image_pixels"}  # (ReadLimits')
 
     @classmethod
     def of(cls, manifests: Sequence[Any], limits: Any, *, per: str = "question", image_size: int | None = 448,

@@ -60,6 +60,7 @@ class WebDataset:
     grouped = False
     units = False
     stages = ()  # the user's decode is one stage
+    takes = frozenset(f.name for f in dataclasses.fields(WebDatasetOptions))
 
     @classmethod
     def of(cls, manifests: Sequence[Any], limits: Any, *, decode: Any = None,
