@@ -230,7 +230,8 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
     reading it front to back with `read(n)` (the next n bytes; fewer only at the end), the bytes of
     the regular files `wanted(name)` selects included. A member whose name or size only a pax or
     GNU extended header gives cannot be read back from its own header: it comes with a `problem`,
-    under the name the extended header sets (else its own). A compressed, truncated or malformed
+    under the name the extended header sets, whole (else its own): its key and extension are the
+    ones the skip names. A compressed, truncated or malformed
     archive is a ShardError naming the byte it failed at. Member names in messages are escaped and
     cut to `_SHOWN` characters."""
     pos, extended, path = 0, False, ""
@@ -274,7 +275,7 @@ def scan_archive(read: Callable[[int], bytes], url: str, wanted: Callable[[str],
         where = f"member {excerpt(name, _SHOWN)} ({size} bytes at byte {pos})"
         data = _read_exactly(read, size, url, where) if take else None
         _skip(read, padded - size if take else padded, url, where)
-        yield ArchiveMember(path[:_SHOWN] or name, pos, size, problem, data, kind == b"5")  # (the path: skipped)
+        yield ArchiveMember(path or name, pos, size, problem, data, kind == b"5")  # (the path, whole: skipped)
         pos, extended, path = pos + BLOCK + padded, False, ""
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 from pipeline.tario import ArchiveMember, ReadLimits
 
-__all__ = ["LIMITS", "Indexing", "Members", "flat_members", "skip"]
+__all__ = ["LIMITS", "Indexing", "Members", "flat_members", "skip", "shown"]
 
 LIMITS = ReadLimits()  # what the loader will accept of a sample: spans and member sizes beyond are skipped here
 Members = list[tuple[str, int, int]]  # (extension, header offset, size), in archive order
@@ -34,7 +34,13 @@ class Indexing:
 
 def skip(url: str, member: str, key: str, reason: str) -> dict[str, str]:
     """A skipped input's entry: the archive's member, the sample's key, and why."""
-    return {"source": f"{url}:{member}", "key": key, "reason": f"{url}:{member}: {reason}"}
+    return {"source": f"{url}:{shown(member)}", "key": shown(key), "reason": f"{url}:{shown(member)}: {reason}"}
+
+
+def shown(name: str) -> str:
+    """A name for a message: whole up to 100 characters (a tar header's), else cut there, its length said
+    (a pax or GNU long name may have any number)."""
+    return name if len(name) <= 100 else f"{name[:100]}... ({len(name)} characters)"
 
 
 def flat_members(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str, str]],

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pipeline.format import check_ext, check_key
 from pipeline.tario import ArchiveMember
 from shard_tools.plugin import PackingKind
-from shard_tools.scan import LIMITS, Indexing, Members, skip
+from shard_tools.scan import LIMITS, Indexing, Members, shown, skip
 
 __all__ = ["PACKING"]
 
@@ -21,12 +21,14 @@ def _samples(url: str, scanned: Iterator[ArchiveMember], skipped: list[dict[str,
              counts: collections.Counter[str]) -> list[tuple[str, Members]]:
     """Consecutive members of one key form a sample, as webdataset groups them (the key: the member's
     path up to its basename's first dot, a `./` prefix dropped); a sample holding a member that
-    cannot be indexed is skipped whole, named."""
+    cannot be indexed is skipped whole, named. A folder, or a member with no extension and nothing
+    wrong with it, is no sample's (counted "ignored", as webdataset ignores it); any other member is
+    a sample's part or a skipped sample's."""
     groups: list[tuple[str, list[ArchiveMember]]] = []
     for member in scanned:
         name = member.name.removeprefix("./")
         base, dot, _ = posixpath.basename(name).partition(".")
-        if member.directory or not dot:
+        if member.directory or not (dot or member.problem):
             counts["ignored"] += 1
             continue
         key = posixpath.join(posixpath.dirname(name), base)
@@ -50,9 +52,9 @@ def _problem(key: str, group: list[ArchiveMember], exts: list[str], seen: set[st
     """Why a group of members cannot be indexed as a sample, if so."""
     for member, ext in zip(group, exts):
         if member.problem is not None:
-            return f"member {member.name!r}: {member.problem}"
+            return f"member {shown(member.name)!r}: {member.problem}"
         if not _ext_ok(ext):
-            return f"member {member.name!r}: extension {ext!r} is not lowercase letters and digits, joined by dots"
+            return f"member {shown(member.name)!r}: extension {ext!r} is not lowercase letters and digits, joined by dots"
     try:
         check_key(key)
     except ValueError as exc:

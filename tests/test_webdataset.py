@@ -4,6 +4,8 @@ the user's own `decode` (and `collate`)."""
 from __future__ import annotations
 
 import collections
+import io
+import tarfile
 
 import numpy as np
 import pytest
@@ -146,3 +148,36 @@ def test_resume_equals_uninterrupted(wds):
     resumed = loader()
     resumed.load_state_dict(first.state_dict())
     assert taken + [b["key"] for b in resumed] == full
+
+
+def _member(archive: tarfile.TarFile, name: str, data: bytes = b"x", pax: dict | None = None,
+            type_: bytes = tarfile.REGTYPE) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = (len(data) if type_ == tarfile.REGTYPE else 0), type_
+    info.pax_headers = pax or {}
+    archive.addfile(info, io.BytesIO(data) if type_ == tarfile.REGTYPE else None)
+
+
+@pytest.mark.parametrize("form", ["gnu", "pax"])
+def test_every_member_is_a_sample_part_a_counted_skip_or_ignored(tmp_path, form):
+    """Extended headers (a GNU long name, pax path, size and long name) make a member a skip each,
+    counted and named whole, never an ignored member nor part of the next sample; what is ignored is
+    a folder and a file with no extension, each counted."""
+    long = "x" * 146 + ".txt"  # (150 characters: only an extended header holds it)
+    with tarfile.open(tmp_path / "a.tar", "w", format=tarfile.GNU_FORMAT if form == "gnu" else tarfile.PAX_FORMAT) as t:
+        for key in ("a", "b"):
+            _member(t, f"{key}.txt", b"text")
+            _member(t, f"{key}.cls", b"1")
+        _member(t, long)
+        if form == "pax":
+            _member(t, "c.txt", pax={"path": "c.txt"})
+            _member(t, "d.txt", pax={"size": "1"})
+        _member(t, "folder", type_=tarfile.DIRTYPE)
+        _member(t, "README")
+        _member(t, "e.lnk", type_=tarfile.SYMTYPE)
+    summary = index_webdataset([str(tmp_path / "a.tar")], str(tmp_path / "out"), progress=False)
+    skipped = sorted(entry["key"] for entry in summary.skip_list)
+    want = sorted(["e", "x" * 100 + "... (146 characters)"] + (["c", "d"] if form == "pax" else []))
+    assert (summary.samples, summary.skipped, summary.ignored, skipped) == (2, len(want), 2, want)
+    members = len(tarfile.open(tmp_path / "a.tar").getmembers())
+    assert 2 * 2 + summary.skipped + summary.ignored == members  # (each skipped sample here: one member)
