@@ -182,5 +182,5 @@ def test_a_missing_s3fs_is_a_clear_error():
                                                                           "AWS_EC2_METADATA_DISABLED": "true"},
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-3000:]
-    assert "s3://bucket/data" in run.stderr and "pip install 'shardstream[s3]'" in run.stderr, run.stderr[-3000:]
+    assert "s3://bucket/data" in run.stderr and "install the package's s3 extra, or pip install 's3fs>=2023.1'" in run.stderr, run.stderr[-3000:]
     assert "Traceback" not in run.stderr

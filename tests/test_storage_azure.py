@@ -183,10 +183,10 @@ def test_a_missing_adlfs_is_a_clear_error_not_a_traceback(remote, monkeypatch, c
         monkeypatch.delitem(registered, scheme, raising=False)
     monkeypatch.setitem(sys.modules, "adlfs", None)  # (import adlfs: ImportError)
     with pytest.raises(ConfigError, match=r"az://x/y: reading or writing Azure Blob Storage needs adlfs .*"
-                                          r"pip install 'shardstream\[azure\]'"):
+                                          r"install the package's azure extra, or pip install 'adlfs>=2024.7'"):
         filesystem("az://x/y", {"account_name": "missing-adlfs"})
     assert main(["inspect", remote, "--storage-options", '{"account_name": "missing-adlfs"}']) == 2
-    assert "pip install 'shardstream[azure]'" in caplog.text
+    assert "install the package's azure extra, or pip install 'adlfs>=2024.7'" in caplog.text
 
 
 def _told(given: str, azurite: Azurite, monkeypatch) -> list[str]:

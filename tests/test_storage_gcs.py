@@ -344,7 +344,7 @@ def test_a_missing_gcsfs_is_a_clear_error():
     run = subprocess.run([sys.executable, "-c", _NO_GCSFS], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-3000:]
-    assert "gs://bucket/data" in run.stderr and "pip install 'shardstream[gcs]'" in run.stderr, run.stderr[-3000:]
+    assert "gs://bucket/data" in run.stderr and "install the package's gcs extra, or pip install 'gcsfs>=2024.2'" in run.stderr, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
 
 
