@@ -54,7 +54,8 @@ def _problem(key: str, group: list[ArchiveMember], exts: list[str], seen: set[st
         if member.problem is not None:
             return f"member {shown(member.name)!r}: {member.problem}"
         if not _ext_ok(ext):
-            return f"member {shown(member.name)!r}: extension {ext!r} is not lowercase letters and digits, joined by dots"
+            return (f"member {shown(member.name)!r}: extension {ext!r} is not lowercase letters and digits, "
+                    "joined by dots")
     try:
         check_key(key)
     except ValueError as exc:
