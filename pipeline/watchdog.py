@@ -13,7 +13,7 @@ import signal
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -30,10 +30,11 @@ _DUMP = signal.SIGUSR1
 
 class Progress:
     """What each worker of a stream is doing, shared with the main process: per worker its pid, since
-    when it is in its stage (`time.monotonic_ns`: one clock for all the processes of a machine), the
-    stage's number in `STAGES`, and the sample it is at ("URL key")."""
+    when it is in its stage (on `clock`, nanoseconds: `time.monotonic_ns` is one clock for all the
+    processes of a machine), the stage's number in `STAGES`, and the sample it is at ("URL key")."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, *, clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self.clock = clock
         self.table = torch.zeros(max(1, workers), 3, dtype=torch.int64).share_memory_()  # pid, since, stage
         self.text = torch.zeros(max(1, workers), _TEXT, dtype=torch.uint8).share_memory_()
         self.directory = tempfile.mkdtemp(prefix="shardstream-stacks-")  # (each worker's stack, on a stall)
@@ -43,7 +44,7 @@ class Progress:
 
     def begin(self) -> None:
         """In the main process, as it asks for an iteration: a stall is counted from now at the earliest."""
-        self.table[:, 1] = time.monotonic_ns()
+        self.table[:, 1] = self.clock()
 
     def start(self, worker: int) -> None:
         """In a worker, as its iteration begins: its row, and its stack dumped to its file on `_DUMP`."""
@@ -59,18 +60,18 @@ class Progress:
         if self._rows is None:
             return
         table, text = self._rows
-        table[worker, 1:] = time.monotonic_ns(), STAGES.index(stage)
+        table[worker, 1:] = self.clock(), STAGES.index(stage)
         data = f"{url} {key}".encode()[:_TEXT] if key else b""
         text[worker, : len(data)] = np.frombuffer(data, np.uint8)
         text[worker, len(data):] = 0
 
     def stalled(self, timeout: float) -> bool:
         """In the main process: whether no worker has moved for `timeout` seconds."""
-        return time.monotonic_ns() - int(self.table[:, 1].max()) > timeout * 1e9
+        return self.clock() - int(self.table[:, 1].max()) > timeout * 1e9
 
     def error(self, timeout: float) -> StallError:
         """The stall, named: each worker's stage, sample and time in it, and its Python stack."""
-        now, lines = time.monotonic_ns(), []
+        now, lines = self.clock(), []
         for worker, (pid, since, stage) in enumerate(self.table.tolist()):
             if not pid:
                 continue

@@ -5,13 +5,16 @@ from outside: a watchdog that never fires fails the test instead of hanging the 
 
 from __future__ import annotations
 
+import functools
 import json
+import multiprocessing
+import os
 import sys
-import time
 
 import pytest
 
-from pipeline import LoaderConfig, make_stream_loader
+import pipeline.loader as loader_module
+from pipeline import LoaderConfig, make_stream_loader, watchdog
 from pipeline.errors import ConfigError
 from pipeline.kinds.sa1b import Sa1b
 from conftest import split_keys
@@ -70,33 +73,68 @@ def test_a_worker_stuck_on_a_sample_ends_the_iteration_naming_it(sa1b_dataset, m
     assert len(worker_pids) == 2 and not any(alive(pid) for pid in worker_pids)
 
 
-def test_a_slow_worker_that_moves_is_not_stopped(sa1b_dataset, monkeypatch):
-    """Each sample takes longer than the watchdog's tick and the whole epoch longer than its timeout;
-    every worker keeps moving, so the epoch ends as without the watchdog."""
-    decode = Sa1b.decode
+class _WatchdogClock:
+    """The watchdog's clock in the tests of slow workers (`Progress(clock=...)`): nanoseconds that move
+    only where a worker's step moves them, shared by the main process and the workers it forks. The
+    main process reading it is the watchdog looking at its workers (`looks`): a slow step lasts, in
+    real time, until the watchdog has looked during it, instead of sleeping past a tick."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("fork")
+        self.ns, self.looks, self.looked = context.Value("q", 0), context.Value("q", 0), context.Condition()
+        self.main = os.getpid()
+
+    def __call__(self) -> int:
+        if os.getpid() == self.main:
+            with self.looked:
+                self.looks.value += 1
+                self.looked.notify_all()
+        return self.ns.value
+
+    def slow_step(self, seconds: float) -> None:
+        """In a worker: `seconds` pass on the clock, and the step ends once the main process has looked
+        twice since it began (one may be the iteration's `begin`; the other is then a tick's)."""
+        with self.looked:
+            before = self.looks.value
+            self.ns.value += int(seconds * 1e9)
+            if not self.looked.wait_for(lambda: self.looks.value >= before + 2, timeout=60):
+                raise AssertionError("the watchdog never looked at its workers while one was slow")
+
+
+@pytest.fixture
+def slow_decode(monkeypatch):
+    """Each SA-1B sample's decode takes 0.09 s on the watchdog's clock (`_WatchdogClock`) and lasts until
+    the watchdog looked at the workers during it. With stall_timeout 0.2 (a tick of 0.1 s, real), two
+    workers move the clock by 0.18 s at most between two notes of progress: never a stall, on any
+    machine; any sample's decode is a tick or more, and every ~3 samples' are past stall_timeout."""
+    clock, decode = _WatchdogClock(), Sa1b.decode
 
     def slow(self, members, **kwargs):
-        time.sleep(0.5)
+        if os.getpid() != clock.main:  # (a reference loader's own decodes, num_workers=0, have no watchdog)
+            clock.slow_step(0.09)
         return decode(self, members, **kwargs)
 
-    monkeypatch.setattr(Sa1b, "decode", slow)  # (forked workers inherit it)
-    loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, stall_timeout=4, **SMALL)
+    monkeypatch.setattr(Sa1b, "decode", slow)  # (forked workers inherit it, and the clock)
+    monkeypatch.setattr(loader_module, "Progress", functools.partial(watchdog.Progress, clock=clock))
+    return clock
+
+
+def test_a_slow_worker_that_moves_is_not_stopped(sa1b_dataset, slow_decode):
+    """Each sample takes a tick of the watchdog or more and the whole epoch longer than its timeout;
+    every worker keeps moving, so the epoch ends as without the watchdog."""
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, stall_timeout=0.2, **SMALL)
     reference = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, **SMALL)
     assert [b["keys"] for b in loader] == [b["keys"] for b in reference]
+    samples = len(split_keys(sa1b_dataset)) // 2 * 2
+    assert slow_decode.ns.value == samples * 90_000_000 > 0.2e9, "the epoch: far past stall_timeout"
 
 
-def test_a_new_iteration_waits_for_workers_finishing_slow_batches_of_the_last(sa1b_dataset, monkeypatch):
+def test_a_new_iteration_waits_for_workers_finishing_slow_batches_of_the_last(sa1b_dataset, slow_decode):
     """A loop that breaks out of an epoch and begins the next while each worker still makes the
-    batches asked of it before (2 s each, past the watchdog's 1 s tick): torch resumes its persistent
-    workers only once they are done, and that wait is no stall, however many ticks it takes."""
-    decode = Sa1b.decode
-
-    def slow(self, members, **kwargs):
-        time.sleep(1.0)
-        return decode(self, members, **kwargs)
-
-    monkeypatch.setattr(Sa1b, "decode", slow)  # (forked workers inherit it)
-    loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, stall_timeout=2, seed=3, **SMALL)
+    batches asked of it before (each sample a tick or more): torch resumes its persistent workers only
+    once they are done, and that wait, which runs into ticks, is no stall, however many it takes."""
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, stall_timeout=0.2, seed=3,
+                                **SMALL)
     reference = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=0, seed=3, **SMALL)
     reference.set_epoch(1)
     next(iter(loader))
