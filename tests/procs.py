@@ -1,11 +1,22 @@
-"""Processes as /proc shows them (Linux), for the tests that kill some."""
+"""Processes as /proc shows them (Linux), for the tests that kill some; processes started as a
+terminal would start them, for the tests that interrupt some; code run at the start of a child."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
 import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+# Run before the command it is given: Ctrl-C (SIGINT) back to its default disposition, as a terminal
+# starts a command. A test run started in the background (`nohup make test &`, a CI runner without job
+# control) ignores SIGINT, and an ignored signal stays ignored across fork and exec.
+_SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execvp(sys.argv[1], sys.argv[1:])")
 
 
 def _stat(pid: int) -> list[str]:
@@ -75,3 +86,31 @@ def end_process_group() -> None:
 
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def interruptible(args: list[str], **popen: object) -> subprocess.Popen:
+    """`subprocess.Popen(args, **popen)` of a command that Ctrl-C (SIGINT) interrupts as at a terminal,
+    however this test run was started."""
+    return subprocess.Popen([sys.executable, "-c", _SIGINT_DEFAULT, *args], **popen)  # type: ignore[call-overload]
+
+
+@contextlib.contextmanager
+def ctrl_c_as_at_a_terminal() -> Iterator[None]:
+    """While inside, in this process: SIGINT raises KeyboardInterrupt (Python's own handler, as in a
+    run started at a terminal), and processes started inside do not ignore it; then it is as before."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def with_startup_code(env: dict[str, str], folder: pathlib.Path, code: str) -> dict[str, str]:
+    """`env` for a Python child whose every process (its pool or cluster workers included: they inherit
+    the environment) runs `code` at startup: a `sitecustomize` module in `folder`, first on PYTHONPATH.
+    How a test holds a child's work at a point of its own choosing, without waiting on the clock."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(  # (Python would go on without it, and the test mean nothing)
+        f"try:\n{textwrap.indent(code, '    ')}\nexcept BaseException:\n    import os, traceback\n"
+        f"    traceback.print_exc()\n    os._exit(70)\n")
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH", "")]))}

@@ -12,6 +12,7 @@ import os
 import pathlib
 import pty
 import re
+import select
 import shutil
 import signal
 import struct
@@ -33,6 +34,7 @@ from shard_tools.sa1b import Sa1bSource
 from shard_tools.samples.sa1b import write_sa1b
 from shard_tools.samples.vqa import write_vqa
 from shard_tools.tune import TuneError
+from procs import ctrl_c_as_at_a_terminal, interruptible, with_startup_code
 
 REPO = str(pathlib.Path(__file__).resolve().parent.parent)
 _ENV = {**os.environ, "PYTHONPATH": REPO}
@@ -204,10 +206,40 @@ def many(tmp_path_factory) -> pathlib.Path:
     return src
 
 
-def _interrupt(args: list[str], ready: Callable[[], bool]) -> subprocess.CompletedProcess:
-    """Run `shard-pack args` in a process group of its own, send the group SIGINT once `ready()`."""
-    child = subprocess.Popen([sys.executable, "-m", "shard_tools.cli", *args], cwd=REPO, env=_ENV,
-                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+# Held in every process of the run (pool and Dask workers too): each shard but the first, and each
+# archive but the first, until the run is stopped (the task's tick raises then). A Ctrl-C sent once
+# the first is done finds the run with exactly that done, however fast the machine.
+_HOLD_ALL_BUT_THE_FIRST = """
+import importlib, time
+index, pack = importlib.import_module("shard_tools.index"), importlib.import_module("shard_tools.pack")
+
+write, scan = pack._write_shard, index._scan
+
+def _until_stopped(tick):
+    while True:  # (the run's stop, looked at through the task's own tick: it raises once the run is stopped)
+        tick(0)
+        time.sleep(0.01)
+
+def held_shard(source, task, path, tick):
+    if task.index:
+        _until_stopped(tick)
+    return write(source, task, path, tick)
+
+def held_archive(kind, url, storage_options, check=None):
+    if not url.endswith("/a0.tar"):
+        _until_stopped(check)
+    return scan(kind, url, storage_options, check)
+
+pack._write_shard, index._scan = held_shard, held_archive
+"""
+
+
+def _interrupt(args: list[str], ready: Callable[[], bool], folder: pathlib.Path) -> subprocess.CompletedProcess:
+    """Run `shard-pack args` in a process group of its own, each shard or archive but the first held
+    until the run is stopped (`_HOLD_ALL_BUT_THE_FIRST`); send the group SIGINT once `ready()`."""
+    env = with_startup_code(_ENV, folder, _HOLD_ALL_BUT_THE_FIRST)
+    child = interruptible([sys.executable, "-m", "shard_tools.cli", *args], cwd=REPO, env=env,
+                          start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         while not ready():
             assert child.poll() is None, "the command ended before it could be interrupted"
@@ -229,46 +261,84 @@ def test_ctrl_c_during_a_pack_prints_one_line_exits_130_and_the_rerun_resumes_by
     pack(Sa1bSource(), [str(many)], str(reference), PackOptions(shard_samples=100), progress=False)
     args = ["sa1b", str(many), str(out), "--shard-samples", "100", "--workers", "2"]
 
-    run = _interrupt(args, lambda: any((out / "_pack").glob("*.json")))
+    run = _interrupt(args, lambda: any((out / "_pack").glob("*.json")), tmp_path / "startup")
     assert run.returncode == 130, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     lines = [line for line in run.stderr.splitlines() if "interrupted" in line]
-    assert len(lines) == 1 and re.fullmatch(r"shard-pack: interrupted after (\d+) of 1600 samples; run the same "
-                                            r"command to resume", lines[0]), run.stderr
-    done = int(re.search(r"after (\d+)", lines[0])[1])
-    assert 100 <= done < 1600 and done == 100 * len(list((out / "_pack").glob("*.json"))), "N: the finished shards'"
+    assert lines == ["shard-pack: interrupted after 100 of 1600 samples; run the same command to resume"], run.stderr
+    assert [p.name for p in (out / "_pack").glob("*.json")] == ["train-000000.tar.json"], "the first shard's record"
     assert not list(out.glob("*.partial-*")), "the shards being written when stopped are removed"
 
     rerun = subprocess.run([sys.executable, "-m", "shard_tools.cli", "-q", *args], cwd=REPO, env=_ENV,
                            capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
-    assert f"({done // 100} shards reused from an interrupted run)" in rerun.stdout
+    assert "(1 shards reused from an interrupted run)" in rerun.stdout
     assert _files(out) == _files(reference)
 
 
-def _stderr_on_a_terminal(args: list[str]) -> str:
-    """What `shard-pack args` writes to stderr when it is a terminal (a pseudo-terminal of 100 columns)."""
+# Held in every process of the run: the last sample of each shard, until the file `go` exists.
+_HOLD_EACH_SHARDS_LAST_SAMPLE = """
+import importlib, os, time
+pack = importlib.import_module("shard_tools.pack")
+
+GO, write = {go!r}, pack._write_shard
+
+class Held:
+    def __init__(self, source, key):
+        self.source, self.key = source, key
+
+    def encode(self, ref):
+        while ref.key == self.key and not os.path.exists(GO):
+            time.sleep(0.01)
+        return self.source.encode(ref)
+
+def held(source, task, path, tick):
+    return write(Held(source, task.refs[-1].key), task, path, tick)
+
+pack._write_shard = held
+"""
+
+
+def _stderr_on_a_terminal(args: list[str], folder: pathlib.Path) -> str:
+    """What `shard-pack args` writes to stderr when it is a terminal (a pseudo-terminal of 100 columns,
+    tqdm showing every count it is given), with the last sample of each shard held until the bar has
+    shown a count that is not a whole number of shards (then `folder/go` lets them go)."""
+    go = folder / "go"
+    env = {**with_startup_code(_ENV, folder, _HOLD_EACH_SHARDS_LAST_SAMPLE.format(go=str(go))),
+           "TQDM_MININTERVAL": "0", "TQDM_MINITERS": "1"}
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    child = subprocess.Popen([sys.executable, "-m", "shard_tools.cli", *args], cwd=REPO, env=_ENV,
+    child = subprocess.Popen([sys.executable, "-m", "shard_tools.cli", *args], cwd=REPO, env=env,
                              stdout=subprocess.DEVNULL, stderr=slave)
     os.close(slave)
-    chunks = []
-    with contextlib.suppress(OSError):  # (EIO once the child has closed the terminal)
-        while data := os.read(master, 1 << 16):
-            chunks.append(data)
-    os.close(master)
-    assert child.wait(timeout=300) == 0
+    chunks, deadline = [], time.monotonic() + 120  # (a bound on the wait for the count, not a measure)
+    try:
+        with contextlib.suppress(OSError):  # (EIO once the child has closed the terminal)
+            while go.exists() or select.select([master], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                if not (data := os.read(master, 1 << 16)):
+                    break
+                chunks.append(data)
+                if not go.exists() and any(int(n) % 800 for n in re.findall(rb" (\d+)/1600 ", b"".join(chunks))):
+                    go.touch()
+        assert go.exists(), "no count inside a shard while each shard's last sample was held: " + repr(b"".join(chunks))
+        assert child.wait(timeout=300) == 0
+    finally:
+        os.close(master)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
     return b"".join(chunks).decode(errors="replace")
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_progress_on_a_terminal_counts_samples_as_they_are_written(many, tmp_path, workers):
+    """While each shard's last sample is held, the bar shows the samples written so far: counts
+    inside a shard (the bar moved by each sample, not once per shard); at the end, all of them."""
     shown = _stderr_on_a_terminal(["sa1b", str(many), str(tmp_path / "out"), "--shard-samples", "800",
-                                   "--workers", str(workers)])
+                                   "--workers", str(workers)], tmp_path / "startup")
     counts = [int(n) for n in re.findall(r" (\d+)/1600 ", shown)]
-    assert counts[-1] == 1600, shown
-    assert any(n % 800 for n in counts), f"progress inside a shard, not only once per shard: {counts}"
+    assert (tmp_path / "startup" / "go").exists(), "let go: the bar showed a count inside a shard"
+    assert counts[-1] == 1600 and counts == sorted(counts), shown
 
 
 @pytest.mark.parametrize("where", [["--workers", "2"], ["--dask", "local:2"]], ids=["pool", "dask"])
@@ -282,29 +352,40 @@ def test_ctrl_c_during_an_index_run_prints_one_line_exits_130_and_leaves_nothing
             f.write(info.tobuf(format=tarfile.USTAR_FORMAT))
             f.truncate(512 + info.size + 1024)
 
-    run = _interrupt(["index", "webdataset", str(src), str(out), *where], lambda: any(out.glob("*.idx")))
+    run = _interrupt(["index", "webdataset", str(src), str(out), *where], lambda: any(out.glob("*.idx")),
+                     tmp_path / "startup")
     assert run.returncode == 130, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     lines = [line for line in run.stderr.splitlines() if "interrupted" in line]
-    assert len(lines) == 1 and re.fullmatch(r"shard-pack: interrupted after [1-7] of 8 archives; the index files of "
-                                            r"this run are removed: run the same command to start again", lines[0])
+    assert lines == ["shard-pack: interrupted after 1 of 8 archives; the index files of this run are removed: run the "
+                     "same command to start again"], run.stderr
     assert [line for line in run.stderr.splitlines() if not line.startswith("indexed ")] == lines, "nothing else"
     assert not out.exists()
 
 
-def test_ctrl_c_inside_distributed_calls_is_noted_and_raised_between_them():
+@pytest.fixture()
+def at_a_terminal():
+    """Ctrl-C handled in this process as in a run started at a terminal (Python's own handler), however
+    the test run was started (`nohup make test &` ignores it): what the tests of Ctrl-C below mean."""
+    with ctrl_c_as_at_a_terminal():
+        yield
+
+
+def test_ctrl_c_inside_distributed_calls_is_noted_and_raised_between_them(at_a_terminal):
     """dask_tasks takes Ctrl-C between distributed's calls: one raised inside `distributed.utils.sync`
     made it log a NameError traceback of its own (seen in CI, 1 run in ~10)."""
     from shard_tools.runners import _ctrl_c_noted
 
+    inside = False
     with pytest.raises(KeyboardInterrupt), _ctrl_c_noted() as pressed:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)  # (a handler that raised would raise here)
-        assert pressed.is_set()
+        os.kill(os.getpid(), signal.SIGINT)  # (Python runs its handler at the next call: `wait`)
+        assert pressed.wait(10), "noted"
+        inside = True
+    assert inside, "noted inside, raised only on leaving"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_processes_spawned_while_ctrl_c_is_ignored_ignore_it_from_their_start():
+def test_processes_spawned_while_ctrl_c_is_ignored_ignore_it_from_their_start(at_a_terminal):
     """A worker (pool or local Dask cluster) spends its first second importing torch: a Ctrl-C then
     killed it ("Nanny failed to start") unless it was born ignoring it."""
     from shard_tools.runners import _ctrl_c_ignored
@@ -316,9 +397,9 @@ def test_processes_spawned_while_ctrl_c_is_ignored_ignore_it_from_their_start():
     with _ctrl_c_ignored():
         inside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        time.sleep(0.5)
+    try:  # (Popen returns once the child has exec'd: its dispositions are set)
         assert sigint_ignored(inside) and not sigint_ignored(outside)
     finally:
         inside.kill(), outside.kill()
+        inside.wait(), outside.wait()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
