@@ -137,9 +137,9 @@ class Runs:
 
     def subset(self, keep: np.ndarray) -> Runs:
         """These masks, only those `keep` (bool, one per mask) marks."""
-        runs_per, run_kept = self.runs_per[keep], np.repeat(keep, self.runs_per)
-        return Runs(self.size, self.runs[run_kept], runs_per, self.total[run_kept], np.cumsum(runs_per) - runs_per,
-                    self.foreground[run_kept], self.origin)
+        runs_per, kept = self.runs_per[keep], np.flatnonzero(np.repeat(keep, self.runs_per))
+        return Runs(self.size, self.runs.take(kept), runs_per, self.total.take(kept), np.cumsum(runs_per) - runs_per,
+                    self.foreground.take(kept), self.origin)
 
 
 def parse(strings: Sequence[bytes], size: tuple[int, int]) -> Runs:
@@ -286,14 +286,12 @@ def crop(parsed: Runs, rows: tuple[int, int], columns: tuple[int, int]) -> Runs:
     of that window (origin (top, left)): each run keeps the count of its pixels inside, maybe 0. O(runs)."""
     (top, bottom), (left, right), height = rows, columns, parsed.size[0]
     h, w = max(0, bottom - top), max(0, right - left)
-
-    def inside_before(pixel: np.ndarray) -> np.ndarray:  # the window's pixels before each (column-major) pixel
-        column, row = np.divmod(pixel, height)
-        within = (column >= left) & (column < right)
-        return np.clip(column - left, 0, w) * h + np.where(within, np.clip(row - top, 0, h), 0)
-
-    ends = inside_before(parsed.ends)  # (each run's end in the window: a `total` of its own mask's)
-    runs = ends - inside_before(parsed.ends - parsed.runs)
+    pixel = parsed.ends
+    column = pixel // height
+    row = np.clip(pixel - column * height - top, 0, h)
+    ends = np.clip(column - left, 0, w) * h + np.where((column >= left) & (column < right), row, 0)
+    runs = np.diff(ends, prepend=0)  # (a run starts where the one before it ends, but a mask's first at 0)
+    runs[parsed.first] = ends[parsed.first]
     return Runs((h, w), runs, parsed.runs_per, ends, parsed.first, parsed.foreground, (top, left))
 
 
@@ -310,15 +308,17 @@ def tight_boxes(parsed: Runs) -> np.ndarray:
     k, height = len(parsed), parsed.size[0]
     boxes = np.zeros((k, 4), np.int64)
     solid = parsed.foreground & (parsed.runs > 0)
-    mask = np.repeat(np.arange(k), parsed.runs_per)[solid]
-    if not mask.size:
+    if not k or not solid.any():
         return boxes
-    ends = parsed.ends[solid]
-    (c0, r0), (c1, r1) = np.divmod(ends - parsed.runs[solid], height), np.divmod(ends - 1, height)
+    counts = np.add.reduceat(solid.astype(np.int64), parsed.first)  # (each mask's solid runs: they come in order)
+    taken = np.flatnonzero(solid)  # (then `take`: ~2x faster than a boolean index here)
+    last = parsed.ends.take(taken) - 1
+    first = last + 1 - parsed.runs.take(taken)
+    c0, c1 = first // height, last // height
     wraps = c0 != c1  # (a run over a column's end covers its last row and the next column's first)
-    top, bottom = np.where(wraps, 0, r0), np.where(wraps, height - 1, r1)
-    present, start = np.unique(mask, return_index=True)
-    boxes[present] = np.stack([np.minimum.reduceat(c0, start), np.minimum.reduceat(top, start),
-                               np.maximum.reduceat(c1, start) + 1, np.maximum.reduceat(bottom, start) + 1], 1)
-    boxes[present] += [parsed.origin[1], parsed.origin[0]] * 2
+    top, bottom = np.where(wraps, 0, first - c0 * height), np.where(wraps, height - 1, last - c1 * height)
+    present = counts > 0
+    at = (np.cumsum(counts) - counts)[present]
+    boxes[present] = np.stack([c0[at], np.minimum.reduceat(top, at), c1[at + counts[present] - 1] + 1,
+                               np.maximum.reduceat(bottom, at) + 1], 1) + [parsed.origin[1], parsed.origin[0]] * 2
     return boxes

@@ -167,7 +167,8 @@ class View:
         point = point[kept].copy()
         at = point * (w / width, h / height) - (ox, oy)  # (in the canvas)
         off = ~((at >= 0) & (at < (cw, ch))).all(1)
-        point[off] = foreground_pixels(inside, np.full((int(off.sum()), 1), 0.5), rows[off])[:, 0] + 0.5
+        if off.any():
+            point[off] = foreground_pixels(inside, np.full((int(off.sum()), 1), 0.5), rows[off])[:, 0] + 0.5
         return Shown(masks, inside, rows, kept, np.stack([x0, y0, x1 - x0, y1 - y0], 1).astype(np.float64),
                      pixels[keep][rows].astype(np.float64), point)
 
