@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -878,6 +879,13 @@ def _tar_gets(proxy: FaultProxy, name: str | None = None) -> list[str]:
     return [r.headers.get("range") for r in gets if r.target.split("?")[0].endswith(f"/{name}")]
 
 
+def _backoffs(seed: int, initial: float, most: float, tries: int) -> list[float]:
+    """The waits before tries 2, 3, ... of a request, as `Retry` documents them: `initial * 2**n`, at
+    most `most`, times a factor drawn in [0.5, 1.5) from `random` seeded with `seed`."""
+    draw = random.Random(seed)
+    return [min(most, initial * 2 ** n) * draw.uniform(0.5, 1.5) for n in range(tries)]
+
+
 @pytest.mark.parametrize("then", [None, "reset", "error500", "slowdown"])
 def test_verify_resumes_a_cut_stream_from_the_byte_reached(server, sa1b_dataset, proxy, monkeypatch, then):
     """A shard's stream cut in the middle is asked for again from the byte reached (not from its
@@ -890,17 +898,14 @@ def test_verify_resumes_a_cut_stream_from_the_byte_reached(server, sa1b_dataset,
     proxy.fault("cut", count=1, after_bytes=half, match=victim)
     if then is not None:
         proxy.fault(then, count=2, match=victim)
-    retry = Retry(attempts=4, initial_delay=0.1, max_delay=0.25, throttle_seconds=0)
-    random.seed(23)
-    waits = [retry.delay(n) for n in (1, 2, 3)]
+    waited = []
+    retry = Retry(attempts=4, initial_delay=0.1, max_delay=0.25, throttle_seconds=0, sleep=waited.append)
     random.seed(23)
     assert verify(root, progress=False, storage_options=storage_options(proxy.endpoint), retry=retry) == []
     resumed = [f"bytes={half}-{size - 1}"] * (1 if then is None else 3)
     assert _tar_gets(proxy, name) == [f"bytes=0-{size - 1}", *resumed]
     assert proxy.served("cut") == 1 and (then is None or proxy.served(then) == 2)
-    times = [r.at for r in proxy.gets() if victim(r)]
-    for gap, wait in zip(np.diff(times), waits):
-        assert wait <= gap < wait + 0.5, (gap, wait)  # each try after its own backoff
+    assert waited == _backoffs(23, 0.1, 0.25, 1 if then is None else 3), "each try after its own backoff, in turn"
     names = _tar_gets(proxy)
     assert all(names.count(other) == 1 for other in set(names) - {name}), "every other shard: one request"
 
@@ -947,19 +952,18 @@ def test_s3_shards_are_read_by_the_lean_client_and_options_it_cannot_honour_by_s
 def test_slowdown_on_the_lean_client_backs_off_with_jitter_for_exact_tries(remote, sa1b_dataset, proxy):
     shard, index = indexed(sa1b_dataset)[1]
     start, end = index.span(1)
-    retry = Retry(attempts=4, initial_delay=0.1, max_delay=0.25, throttle_seconds=0)
+    waited = []
+    retry = Retry(attempts=4, initial_delay=0.1, max_delay=0.25, throttle_seconds=0, sleep=waited.append)
     reader = ranged_reader(f"{remote}/{shard.name}", storage_options(proxy.endpoint), retry)
     proxy.fault("slowdown", count=3)
-    random.seed(23)
-    waits = [retry.delay(n) for n in (1, 2, 3)]  # what the seeded jitter makes of 0.1, 0.2, 0.25 s
-    assert all(abs(wait / bare - 1) > 0.05 for wait, bare in zip(waits, (0.1, 0.2, 0.25))), waits
+    waits = _backoffs(23, 0.1, 0.25, 3)
+    assert all(abs(wait / bare - 1) > 0.05 for wait, bare in zip(waits, (0.1, 0.2, 0.25))), "jitter: " + str(waits)
     random.seed(23)
     assert reader.read(start, end) == pathlib.Path(sa1b_dataset, shard.name).read_bytes()[start:end]
     gets = proxy.gets()
     assert [r.fault for r in gets] == ["slowdown"] * 3 + [None] and {r.headers["range"] for r in gets} == \
         {f"bytes={start}-{end - 1}"}
-    for gap, wait in zip(np.diff([r.at for r in gets]), waits):
-        assert wait <= gap < wait + 0.25, (gap, wait)  # each retry after its own backoff, no extra tries
+    assert waited == waits, "each retry after its own backoff, no extra tries"
     proxy.clear()
     proxy.fault("slowdown", count=1000)
     with pytest.raises(ShardError, match=rf"{shard.name}: cannot read bytes {start}-{end} after 4 tries: "
@@ -1003,14 +1007,15 @@ def test_refused_credentials_fail_at_once_naming_the_shard_and_sample(remote, sa
 
 
 # Temporary credentials as a credential_process hands them out (AWS config file): each call a new
-# access key, "valid" for `LIFE` seconds; issued ones are listed in the file `issued`.
+# access key, valid for as many seconds as the file `lifetime` says then; issued ones are listed in
+# the file `issued`.
 _CREDENTIAL_PROCESS = r"""
-import datetime, json, pathlib, sys, time
-issued = pathlib.Path(sys.argv[1])
+import datetime, json, pathlib, sys
+issued, lifetime = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 n = len(issued.read_text().splitlines()) + 1 if issued.exists() else 1
+expiry = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=float(lifetime.read_text()))
 with issued.open("a") as f:
-    f.write(f"gen{n} {time.time()}\n")
-expiry = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=float(sys.argv[2]))
+    f.write(f"gen{n}\n")
 print(json.dumps({"Version": 1, "AccessKeyId": f"gen{n}", "SecretAccessKey": "unused", "Expiration": expiry.isoformat()}))
 """
 
@@ -1018,36 +1023,53 @@ print(json.dumps({"Version": 1, "AccessKeyId": f"gen{n}", "SecretAccessKey": "un
 def test_temporary_credentials_are_refreshed_before_they_expire(remote, sa1b_dataset, server, tmp_path, monkeypatch):
     """botocore treats temporary credentials as due for refresh 10 minutes before they expire; the
     lean client asks for new ones then. To see it in seconds, credentials are issued for 10 min 2 s
-    and the server refuses each as expired 4 s after it was issued: every read succeeds, with
-    credentials refreshed (not one request per credential), and none is sent expired."""
+    (due 2 s after issue), and the server refuses a credential as expired once a newer one was issued:
+    reads go on while new ones are issued, each read with the newest. Then credentials issued for a
+    day are not due: 5 reads, all with the one credential, and none issued (not one per request)."""
     (tmp_path / "creds.py").write_text(_CREDENTIAL_PROCESS)
-    issued = tmp_path / "issued"
+    issued, lifetime = tmp_path / "issued", tmp_path / "lifetime"
+    lifetime.write_text("602")
     (tmp_path / "config").write_text(f"[profile temporary]\ncredential_process = {sys.executable} {tmp_path}/creds.py "
-                                     f"{issued} 602\n")
+                                     f"{issued} {lifetime}\n")
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
 
+    def keys() -> list[str]:
+        return issued.read_text().split() if issued.exists() else []
+
     def state(key: str | None) -> str:
-        when = dict(line.split() for line in issued.read_text().splitlines() if len(line.split()) == 2).get(key or "")
-        return "unknown" if when is None else "valid" if time.time() < float(when) + 4 else "expired"
+        return "unknown" if key not in keys() else "valid" if key == keys()[-1] else "expired"
 
     proxy = FaultProxy(server.s3_port, credentials=state)
     try:
         options = {"profile": "temporary", "client_kwargs": {"endpoint_url": proxy.endpoint, "region_name": "us-east-1"}}
         shard, index = indexed(sa1b_dataset)[0]
         reader = ranged_reader(f"{remote}/{shard.name}", options, FAST)
-        data = pathlib.Path(sa1b_dataset, shard.name).read_bytes()
-        began = time.monotonic()
-        while time.monotonic() - began < 6.5:
-            start, end = index.span(0)
-            assert reader.read(start, end) == data[start:end]
-            time.sleep(0.25)
+        start, end = index.span(0)
+        expected = pathlib.Path(sa1b_dataset, shard.name).read_bytes()[start:end]
+
+        def read_until(done: Callable[[], bool], what: str) -> None:
+            bound = time.monotonic() + 60  # (a bound on a wait for an event: a refresh is due every 2 s)
+            while not done():
+                assert time.monotonic() < bound, what
+                assert reader.read(start, end) == expected
+                time.sleep(0.05)  # (pacing: the event is the credential process's, not this loop's)
+
+        read_until(lambda: len(keys()) >= 3, "credentials due 2 s after issue: never refreshed")
+        lifetime.write_text(str(86400 + 602))
+        before = len(keys())
+        read_until(lambda: len(keys()) > before, "a credential due 2 s after issue: never refreshed")
+        lasting, requests = keys()[-1], len(proxy.requests)
+        for _ in range(5):
+            assert reader.read(start, end) == expected
         used = [r.access_key for r in proxy.requests]
-        assert [r.fault for r in proxy.requests] == [None] * len(used), "none sent expired"
-        assert len(set(used)) >= 3, used  # refreshed every ~2 s...
-        assert len(issued.read_text().splitlines()) <= 8 and len(used) >= 2 * len(set(used)), used  # ...not per request
+        assert [r.fault for r in proxy.requests] == [None] * len(used), "every request with the newest credential"
+        assert used[requests:] == [lasting] * 5 and keys()[-1] == lasting, "a credential not due: kept, not per request"
+        assert [int(k[3:]) for k in used] == sorted(int(k[3:]) for k in used), "in the order issued"
+        assert set(keys()) - set(used) <= {"gen1"}, "each credential issued is used (the first, issued as the client " \
+            "is made, is in botocore's 15-minute advisory window: refreshed at the first request)"
     finally:
         proxy.close()
 

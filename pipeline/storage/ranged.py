@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -108,7 +107,7 @@ class Ranged:
                     after = f" after {tries}" if transient(exc) else ""
                     raise ShardError(f"cannot read bytes {at}-{end}{after}: {describe(exc)}", url=self.url) from exc
                 log.info("%s bytes %d-%d: %r; try %d in %.2f s", self.url, at, end, exc, tries.count + 1, wait)
-                time.sleep(wait)
+                self.retry.sleep(wait)
 
     def size(self) -> int:
         """The shard's size in bytes."""

@@ -40,17 +40,29 @@ _THROTTLE_STATUSES = (429, 503)
 T = TypeVar("T")
 
 
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)  # (`time` looked up at the call: a test may replace this module's)
+
+
+def _monotonic() -> float:
+    return time.monotonic()
+
+
 @dataclasses.dataclass(frozen=True)
 class Retry:
     """How transient storage failures are retried: up to `attempts` tries of each request, waiting
     `initial_delay * 2**n` (at most `max_delay`) times a random factor in [0.5, 1.5) between tries.
     Throttling (`throttled`) does not use up tries while the request is within `throttle_seconds`
-    of its first try (waits included); past that it counts as any failure. 0: exact tries for all."""
+    of its first try (waits included); past that it counts as any failure. 0: exact tries for all.
+    `sleep(seconds)` waits between tries and `clock()` measures the budget (`time.sleep` and
+    `time.monotonic` unless given: a test passes its own, to see the waits without waiting)."""
 
     attempts: int = 6
     initial_delay: float = 0.2
     max_delay: float = 10.0
     throttle_seconds: float = 120.0
+    sleep: Callable[[float], None] = dataclasses.field(default=_sleep, compare=False, repr=False)
+    clock: Callable[[], float] = dataclasses.field(default=_monotonic, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not is_int_at_least(self.attempts, 1):
@@ -127,7 +139,7 @@ class Tries:
 
     def __init__(self, retry: Retry) -> None:
         self.retry, self.count, self.counted = retry, 0, 0
-        self.start = time.monotonic()
+        self.start = retry.clock()
         self.throttled = False  # the last failure was throttling
 
     def again(self, exc: BaseException) -> float | None:
@@ -138,12 +150,12 @@ class Tries:
         retry = self.retry
         wait = retry.delay(min(self.count, 64))
         self.throttled = throttled(exc)
-        if not (self.throttled and time.monotonic() + wait - self.start <= retry.throttle_seconds):
+        if not (self.throttled and retry.clock() + wait - self.start <= retry.throttle_seconds):
             self.counted += 1  # (a try used up: anything but throttling within the budget)
         return wait if self.counted < retry.attempts else None
 
     def __str__(self) -> str:
-        spent = time.monotonic() - self.start
+        spent = self.retry.clock() - self.start
         throttling = f" over {spent:.1f} s of throttling (throttle_seconds={self.retry.throttle_seconds:g})" \
             if self.throttled and self.count > self.counted else ""
         return f"{self.count} tries{throttling}"
@@ -164,7 +176,7 @@ def with_retries(retry: Retry, what: str, call: Callable[[], T], tries: Tries | 
                 raise
             left = "" if tries.throttled else f" of {retry.attempts}"
             log.info("%s: %r; try %d%s in %.2f s", what, exc, tries.count + 1, left, wait)
-        time.sleep(wait)
+        retry.sleep(wait)
 
 
 
