@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import io
+import math
 import os
 import pathlib
 import shutil
@@ -11,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -23,8 +26,7 @@ import pipeline.loader as loader_module
 from pipeline.schedule import FirstOut
 from pipeline import SampleError, ShardError, make_stream_loader, validate_first_batch
 from pipeline.format import Manifest
-from pipeline.rle import fit, nearest_index
-from pipeline.kinds.sa1b import Sa1b, Sa1bOptions, choose_masks
+from pipeline.kinds.sa1b import Sa1b, Sa1bOptions
 from conftest import indexed, sa1b_originals, split_keys
 
 SMALL = dict(image_size=64, mask_size=32, max_masks=5)
@@ -113,6 +115,23 @@ def _sources(sa1b_src: pathlib.Path) -> dict[str, tuple[bytes, dict]]:
     return {key: (jpg, meta) for key, (meta, jpg) in sa1b_originals(sa1b_src).items()}
 
 
+def _fit(height: int, width: int, size: int) -> tuple[int, int]:
+    """The frame an image of (height, width) is resized to: its long side `size`, the aspect kept,
+    each side rounded half up (and at least 1)."""
+    long = max(height, width)
+    return tuple(max(1, math.floor(Fraction(side * size, long) + Fraction(1, 2))) for side in (height, width))
+
+
+def _chosen_masks(count: int, limit: int, seed: int, epoch: int, key: str) -> np.ndarray:
+    """The masks a sample uses, as `pipeline.seeds` documents the draw: all if few, else a sorted choice
+    without replacement from numpy's default_rng([seed, epoch, 3 (the masks' purpose), the key's
+    blake2b-128, little-endian])."""
+    if count <= limit:
+        return np.arange(count)
+    entropy = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "little")
+    return np.sort(np.random.default_rng([seed, epoch, 3, entropy]).choice(count, limit, replace=False))
+
+
 @pytest.mark.parametrize("mask_size", [32, None, 128])  # 128: masks finer than the 80-pixel images, allowed
 def test_batches_match_reference_decoders(sa1b_src, sa1b_dataset, mask_size):
     options = Sa1bOptions(image_size=80, mask_size=mask_size, max_masks=6)
@@ -126,18 +145,18 @@ def test_batches_match_reference_decoders(sa1b_src, sa1b_dataset, mask_size):
             jpg, meta = sources[key]
             height, width = meta["image"]["height"], meta["image"]["width"]
             anns = meta["annotations"]
-            chosen = choose_masks(len(anns), 6, 11, 2, key)
+            chosen = _chosen_masks(len(anns), 6, 11, 2, key)
             count = int(batch["mask_counts"][i])
             assert count == len(chosen) == min(6, len(anns))
-            # masks: pycocotools' full decode, then the same nearest sampling, exactly
-            mh, mw = fit(height, width, m)
-            full = mask_utils.decode([anns[j]["segmentation"] for j in chosen])
-            ref = full[nearest_index(height, mh)][:, nearest_index(width, mw)].transpose(2, 0, 1).astype(bool)
+            # masks: pycocotools' full decode, then torch's pixel-center nearest resize, exactly
+            mh, mw = _fit(height, width, m)
+            full = torch.from_numpy(mask_utils.decode([anns[j]["segmentation"] for j in chosen])).permute(2, 0, 1)
+            ref = torch.nn.functional.interpolate(full[None].float(), size=(mh, mw), mode="nearest-exact")[0].bool()
             got = batch["masks"][i]
-            assert torch.equal(got[:count, :mh, :mw], torch.from_numpy(ref))
+            assert torch.equal(got[:count, :mh, :mw], ref)
             assert not got[count:].any() and not got[:, mh:].any() and not got[:, :, mw:].any(), "zero padding"
             # geometry in the resized frame
-            h, w = fit(height, width, 80)
+            h, w = _fit(height, width, 80)
             assert batch["image_sizes"][i].tolist() == [h, w] and batch["original_sizes"][i].tolist() == [height, width]
             boxes = np.array([anns[j]["bbox"] for j in chosen]) * (w / width, h / height, w / width, h / height)
             boxes[:, 2:] += boxes[:, :2]
@@ -175,15 +194,28 @@ def test_validate_first_batch_and_check_batch(sa1b_dataset):
     assert any("boxes" in p for p in Sa1b(options).check(broken, 0))
     broken = dict(batch, mask_counts=batch["mask_counts"] + 10)
     assert any("mask_counts" in p for p in Sa1b(options).check(broken, 0))
-    broken = dict(batch, masks=batch["masks"].clone())
-    broken["masks"][0, int(batch["mask_counts"][0]):] = True
-    if broken["masks"].shape[1] > int(batch["mask_counts"][0]):
-        assert any("padding" in p for p in Sa1b(options).check(broken, 0))
+    assert Sa1b(Sa1bOptions(**PADDED)).check(_with_a_padding_mask_set(sa1b_dataset), 0) == [
+        "masks: non-zero padding beyond mask_counts"]
     broken = dict(batch, images=batch["images"].float())
     assert any("dtype" in p for p in Sa1b(options).check(broken, 0))
     broken = dict(batch, predicted_ious=batch["predicted_ious"] + 2)
     assert any("[0, 1]" in p for p in Sa1b(options).check(broken, 0))
     assert "keys" in Sa1b(options).check({"images": batch["images"]}, 0)[0]
+
+
+PADDED = dict(image_size=64, mask_size=32, max_masks=30)  # (more than any sample's masks: each has all of its own)
+
+
+def _with_a_padding_mask_set(root: str) -> dict:
+    """The first batch (of 2, `PADDED`) with padding masks (a sample with fewer masks than the other),
+    one pixel of its first padding mask set."""
+    loader = make_stream_loader(root, "train", batch_size=2, num_workers=0, shuffle=False, **PADDED)
+    for batch in _epoch(loader):
+        counts = batch["mask_counts"].tolist()
+        if min(counts) < batch["masks"].shape[1]:
+            batch["masks"][counts.index(min(counts)), min(counts), 0, 0] = True
+            return batch
+    raise AssertionError("the dataset has no batch with padding masks")
 
 
 @pytest.fixture()
@@ -217,7 +249,7 @@ def test_on_error_skip_counts_and_goes_on(corrupted, sa1b_dataset, caplog):
     assert keys == [k for k in clean if k != key]
     assert loader.skipped == 1
     keys = [k for b in _epoch(loader, 1) for k in b["keys"]]
-    assert loader.skipped == 2
+    assert keys == [k for k in clean if k != key] and loader.skipped == 2, "skipped again, and counted"
 
 
 def test_missing_shard_is_named(sa1b_dataset, tmp_path):
@@ -243,8 +275,8 @@ def test_no_worker_waits_out_the_first_batch_wait(sa1b_dataset, monkeypatch, wor
     next batch taken before this one is given (here without a GPU)."""
     wait = FirstOut.wait
 
-    def strict(self, ticket, timeout):
-        if not wait(self, ticket, 3.0):
+    def strict(self, ticket, timeout):  # (60 s: a bound on the wait for the release, not a measure of it)
+        if not wait(self, ticket, 60.0):
             raise AssertionError("a worker waited out its bound: the first batch's gate was never released")
         return True
 
