@@ -24,6 +24,7 @@ from pipeline import LoaderConfig, StreamLoader, make_stream_loader, trl_dataset
 from pipeline.errors import ConfigError
 from pipeline.kinds import KINDS, Kind
 from shard_tools.cli import COMMANDS
+from test_quickstart import _section
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -42,26 +43,11 @@ UNDOCUMENTED = {
 }
 KIND_SECTIONS = {"sa1b": "SA-1B", "vqa": "VQA", "embeddings": "Embeddings",
                  "webdataset": "WebDataset tars indexed in place"}
-_HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*$")
 _SPAN = re.compile(r"`([^`]+)`")
 
 
 # -- reading the pages --------------------------------------------------------------------------
 
-def _section(text: str, title: str) -> str:
-    """The text under the heading `title`, up to the next heading of its level or above ('' if none)."""
-    out, level, in_code = [], None, False
-    for line in text.splitlines(keepends=True):
-        in_code = in_code != line.startswith("```")
-        heading = None if in_code or line.startswith("```") else _HEADING.match(line)
-        if level is None:
-            if heading and heading[2] == title:
-                level = len(heading[1])
-            continue
-        if heading and len(heading[1]) <= level:
-            break
-        out.append(line)
-    return "".join(out)
 
 
 def _paragraph(text: str, start: str) -> str:
