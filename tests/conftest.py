@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -95,9 +96,39 @@ def index_of(root: str, shard: ShardInfo) -> ShardIndex:
     return read_index(fs, base, root, shard)
 
 
-def split_keys(root: str, split: str = "train", **storage: Any) -> list[str]:
-    """Every key of a split, in shard order."""
-    return [key for _, index in indexed(root, split, **storage) for key in index.key_list()]
+def split_keys(root: str, split: str = "train") -> list[str]:
+    """Every key of a split of a local dataset, in shard order, read without the project's own readers:
+    the manifest's JSON names the split's shards (relative to `root`, or absolute), and each shard's tar
+    members, read by `tarfile`, name its samples (a key is a member's name up to the first dot of its
+    base name; a sample's members come together). Archives indexed in place list the samples of every
+    split: a key is the split's as the packer splits keys (`_split_of`), once, in its first archive."""
+    manifest = json.loads(pathlib.Path(root, "manifest.json").read_bytes())
+    indexed_in_place = manifest.get("origin") == "indexed"
+    keys: list[str] = []
+    for name in manifest["splits"][split]["shards"]["name"]:
+        with tarfile.open(pathlib.Path(root, name)) as archive:
+            for member in archive:
+                folder, _, base = member.name.rpartition("/")
+                key, _, ext = base.partition(".")
+                key = f"{folder}/{key}" if folder else key
+                if not member.isfile() or (keys and keys[-1] == key):
+                    continue
+                if indexed_in_place and (ext not in manifest["members"] or key in keys or
+                                         _split_of(key, manifest["options"]["splits"]) != split):
+                    continue
+                keys.append(key)
+    return keys
+
+
+def _split_of(key: str, splits: list[list[Any]]) -> str:
+    """The split of a key, as `shard-pack` documents it: the key's blake2b-64 (big-endian) over 2**64
+    against the splits' cumulative fractions (the last split past them all)."""
+    u, bound = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64, 0.0
+    for name, fraction in splits:
+        bound += fraction
+        if u < bound:
+            return name
+    return splits[-1][0]
 
 
 def split_units(root: str, split: str = "train") -> list[tuple[str, int]]:
