@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.plan import (
-    Mix, PlanError, Resume, World, epoch_order, epoch_samples, mixed_order, plan_epoch, rank_batch_count, rank_batch_sizes,
+    Mix, PlanError, Resume, World, epoch_order, mixed_order, plan_epoch, rank_batch_count, rank_batch_sizes,
     rank_positions, rank_sample_count, SHUFFLES, get_shuffle, shuffle_name,
 )
 from pipeline.plan.shuffle import BLOCK
@@ -21,6 +21,37 @@ SIZES = {
     "many small": [2] * 13,
     "tiny": [3, 2],
 }
+
+
+def _reference_batch_sizes(total, world_size, rank, batch_size, drop_last):
+    """(first position, batch sizes) of `rank`'s span, dealt by the partition's rules (its docstring):
+    contiguous spans in rank order; drop_last: every rank total // (world_size * batch_size) full
+    batches; else the first total % world_size ranks one sample more, each rank as many batches as the
+    largest needs, and a rank whose last batch would be empty lends it one sample of the one before
+    (which batches of 1, or no batch before it, cannot: PlanError)."""
+    if drop_last:
+        full = total // (world_size * batch_size)
+        return rank * full * batch_size, [batch_size] * full
+    counts = [total // world_size + (r < total % world_size) for r in range(world_size)]
+    sizes, left = [], counts[rank]
+    for _ in range(-(-max(counts) // batch_size)):
+        sizes.append(min(batch_size, left))
+        left -= sizes[-1]
+    if sizes and sizes[-1] == 0:
+        if len(sizes) < 2 or batch_size < 2:
+            raise PlanError(f"rank {rank} of {world_size}: {counts[rank]} samples in {len(sizes)} batches")
+        sizes[-2:] = [batch_size - 1, 1]
+    return sum(counts[:rank]), sizes
+
+
+def _splits(total, world_size, batch_size, drop_last):
+    """Whether every rank of the world can have its batches (`_reference_batch_sizes`)."""
+    try:
+        for rank in range(world_size):
+            _reference_batch_sizes(total, world_size, rank, batch_size, drop_last)
+    except PlanError:
+        return False
+    return True
 
 
 def _epoch(sizes, world_size, workers, *, batch_size, drop_last, shuffle, seed=3, epoch=1, window=4):
@@ -48,12 +79,13 @@ def test_exactly_once_for_every_world(name, drop_last, shuffle):
     sizes = SIZES[name]
     total = sum(sizes)
     for world_size, workers, batch_size in itertools.product(range(1, 9), range(5), (1, 2, 3, 4)):
-        try:
-            ranks = _epoch(sizes, world_size, workers, batch_size=batch_size, drop_last=drop_last, shuffle=shuffle)
-        except PlanError:
-            # only drop_last=False with batch_size 1 and an uneven split, or fewer samples than ranks
-            assert not drop_last and (batch_size == 1 or total < world_size)
+        kw = dict(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle)
+        if not _splits(total, world_size, batch_size, drop_last):
+            # (drop_last=False with batch_size 1 and an uneven split, or fewer samples than ranks)
+            with pytest.raises(PlanError, match="use drop_last=True"):
+                _epoch(sizes, world_size, workers, **kw)
             continue
+        ranks = _epoch(sizes, world_size, workers, **kw)
         counts = {len(r) for r in ranks}
         assert len(counts) == 1, "every rank yields the same number of batches"
         ids = np.concatenate([b for r in ranks for b in r]) if counts != {0} else np.zeros(0, int)
@@ -69,14 +101,25 @@ def test_exactly_once_for_every_world(name, drop_last, shuffle):
             assert all(len(b) == batch_size for r in ranks for b in r[:-2])
 
 
-def test_rank_batch_count_matches_plan():
+def test_rank_batch_sizes_and_counts_are_the_dealt_ones():
+    """Every rank of every small world: its span and batch sizes, counts and plan, against the batches
+    dealt by the partition's rules (`_reference_batch_sizes`), or PlanError where a rank cannot have them."""
     for total, world_size, batch_size, drop_last in itertools.product(range(0, 40), range(1, 6), range(1, 6), (True, False)):
-        try:
-            start, sizes = rank_batch_sizes(total, world_size, 0, batch_size, drop_last)
-        except PlanError:
-            continue
-        plan = plan_epoch([[total]], 0, 0, World(0, world_size), batch_size=batch_size, drop_last=drop_last)
-        assert len(plan) == len(sizes) and [len(ids) for _, _, ids in plan] == sizes and start == 0
+        for rank in range(world_size):
+            args = (total, world_size, rank, batch_size, drop_last)
+            try:
+                start, sizes = _reference_batch_sizes(*args)
+            except PlanError:
+                for count in (rank_batch_sizes, rank_batch_count, rank_sample_count):
+                    with pytest.raises(PlanError, match="use drop_last=True"):
+                        count(*args)
+                continue
+            assert rank_batch_sizes(*args) == (start, sizes), args
+            assert (rank_batch_count(*args), rank_sample_count(*args)) == (len(sizes), sum(sizes)), args
+            plan = plan_epoch([[total]], 0, 0, World(rank, world_size), batch_size=batch_size, drop_last=drop_last,
+                              shuffle=False)
+            assert [ids.tolist() for _, _, ids in plan] == \
+                [list(range(start + sum(sizes[:i]), start + sum(sizes[: i + 1]))) for i in range(len(sizes))], args
 
 
 def test_shuffle_is_deterministic_and_changes_with_epoch_and_seed():
@@ -127,10 +170,11 @@ def _rank_runs(total, world_size, batch_size, drop_last, history=()):
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_resuming_in_the_same_world_continues_each_rank(drop_last):
     for total, world_size, batch_size in itertools.product((7, 20, 33), (1, 2, 3), (1, 2, 4)):
-        try:
-            full = _rank_runs(total, world_size, batch_size, drop_last)
-        except PlanError:
+        if not _splits(total, world_size, batch_size, drop_last):
+            with pytest.raises(PlanError, match="use drop_last=True"):
+                _rank_runs(total, world_size, batch_size, drop_last)
             continue
+        full = _rank_runs(total, world_size, batch_size, drop_last)
         for k in range(len(full[0]) + 1):
             resumed = _rank_runs(total, world_size, batch_size, drop_last, (Resume(world_size, k),))
             for r in range(world_size):
@@ -144,18 +188,20 @@ def test_elastic_resumption_takes_every_sample_once(drop_last):
     """Stop after k batches in one world, finish in another (and another): nothing twice, nothing lost."""
     for total, batch_size in itertools.product((23, 40), (2, 3)):
         for worlds in [(2, 1), (1, 2), (2, 3), (3, 2, 1), (1, 4)]:
-            try:
-                first = _rank_runs(total, worlds[0], batch_size, drop_last)
-            except PlanError:
+            if not _splits(total, worlds[0], batch_size, drop_last):
+                with pytest.raises(PlanError, match="use drop_last=True"):
+                    _rank_runs(total, worlds[0], batch_size, drop_last)
                 continue
+            first = _rank_runs(total, worlds[0], batch_size, drop_last)
             for k in range(len(first[0]) + 1):
                 history, seen, ok = [], [], True
                 for i, world_size in enumerate(worlds):
-                    try:
-                        runs = _rank_runs(total, world_size, batch_size, drop_last, tuple(history))
-                    except PlanError:
+                    if not _splits(total - len(seen), world_size, batch_size, drop_last):  # (what no rank took)
+                        with pytest.raises(PlanError, match="use drop_last=True"):
+                            _rank_runs(total, world_size, batch_size, drop_last, tuple(history))
                         ok = False
                         break
+                    runs = _rank_runs(total, world_size, batch_size, drop_last, tuple(history))
                     assert len({len(r) for r in runs}) == 1, "equal batch counts in every world"
                     take = k if i < len(worlds) - 1 else len(runs[0])
                     take = min(take, len(runs[0]))
@@ -233,7 +279,7 @@ def _reference_positions(total, world_size, rank, batch_size, drop_last, history
     for i, stretch in enumerate(history):
         cut = []
         for r in range(stretch.world_size):
-            start, sizes = rank_batch_sizes(remaining.size, stretch.world_size, r, batch_size, drop_last)
+            start, sizes = _reference_batch_sizes(remaining.size, stretch.world_size, r, batch_size, drop_last)
             if stretch.batches > len(sizes):
                 raise PlanError("cannot resume")
             cut.append(split(remaining[start:], sizes))
@@ -241,12 +287,15 @@ def _reference_positions(total, world_size, rank, batch_size, drop_last, history
             return cut[rank][stretch.batches :]
         taken = [p for batches in cut for p in batches[: stretch.batches]]
         remaining = np.setdiff1d(remaining, np.concatenate(taken)) if taken else remaining
-    start, sizes = rank_batch_sizes(remaining.size, world_size, rank, batch_size, drop_last)
+    start, sizes = _reference_batch_sizes(remaining.size, world_size, rank, batch_size, drop_last)
     return split(remaining[start:], sizes)
 
 
 def _reference_plan(sources, seed, epoch, world, *, batch_size, drop_last, shuffle, window, mix=None, history=()):
-    total = epoch_samples(sources, mix)
+    """A worker's plan, the old way: its rank's whole positions (`_reference_positions`), each worker's
+    batches dealt round-robin, their ids from the order of the positions (`epoch_order`, `mixed_order`:
+    the shuffles, each tested against its own laws and pinned orders above)."""
+    total = sum(mix.counts) if mix is not None else sum(sources[0])
     mine = _reference_positions(total, world.world_size, world.rank, batch_size, drop_last, history)[world.worker :: world.num_workers]
     positions = np.concatenate(mine) if mine else np.zeros(0, np.int64)
     if mix is None:
