@@ -30,10 +30,11 @@ class Decoder:
     """Turns a batch's samples into a collated batch with the kind; counts skips in `skipped`
     (row 0 all epochs, row 1 this iteration, a column per worker: shared with the main process)."""
 
-    def __init__(self, sources: list[SplitIndex], kind: Kind, config: LoaderConfig, skipped: torch.Tensor) -> None:
+    def __init__(self, sources: list[SplitIndex], kind: Kind, config: LoaderConfig, skipped: torch.Tensor,
+                 leases: Leases | None = None, progress: Progress | None = None) -> None:
         self.sources, self.kind, self.config, self.skipped = sources, kind, config, skipped
-        self.leases: Leases | None = None  # workers recycle batch buffers our own DataLoader hands back
-        self.progress: Progress | None = None  # in a worker of our own DataLoader: what it does, for the watchdog
+        self.leases = leases  # workers recycle batch buffers our own DataLoader hands back
+        self.progress = progress  # in a worker of our own DataLoader: what it does, for the watchdog
 
     def note(self, worker: int, stage: str, sample: Located | None = None) -> None:
         """The worker moves on to `stage` (`watchdog.STAGES`), of `sample`."""

@@ -30,7 +30,7 @@ from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, sh
 from pipeline.storage.places import Places
 from pipeline.schedule import FirstOut
 from pipeline.watchdog import Progress, next_batch, started, tick
-from pipeline.stream import ShardStream, WorkerError
+from pipeline.stream import Handoff, ShardStream, WorkerError
 
 __all__ = ["LoaderConfig", "LoaderStats", "StreamLoader", "make_stream_loader", "make_stream_dataset",
            "validate_first_batch"]
@@ -350,7 +350,7 @@ def _manifests(roots: list[str], split: str, config: LoaderConfig) -> list[Manif
 
 
 def _stream(source: str | Sequence[str], split: str, config: LoaderConfig, options: dict[str, Any], *,
-            max_workers: int, **mode: bool) -> tuple[ShardStream, list[Manifest]]:
+            max_workers: int, **mode: Any) -> tuple[ShardStream, list[Manifest]]:
     """The stream of `split` over the sources (see `make_stream_loader`), with the kind's `options`."""
     world = _world(config.rank, config.world_size)
     roots = [source] if isinstance(source, str) else list(source)
@@ -359,14 +359,14 @@ def _stream(source: str | Sequence[str], split: str, config: LoaderConfig, optio
     sources = [SplitIndex.of(root, manifest, split, kind.units) for root, manifest in zip(roots, manifests)]
     mix = None if len(sources) == 1 and config.weights is None and config.epoch_size is None else \
         Mix.of([int(s.sizes.sum()) for s in sources], config.weights, config.epoch_size)
-    stream = ShardStream(sources, mix, kind, config, world, max_workers=max_workers, **mode)
     # What a saved state must share with the stream that resumes it: the datasets (and, when mixing,
     # each one's share), the split, the settings that decide the order, and the kind's options.
-    stream.identity = {"version": STATE_VERSION, "fingerprint": fingerprint(manifests, mix.counts if mix else None),
-                       "split": split, "units": [int(s.sizes.sum()) for s in sources],
-                       **{name: getattr(config, name) for name in ORDER_SETTINGS}, "kind": manifests[0].kind,
-                       "options": describe(kind.options)}
-    stream.option_defaults = option_defaults(kind.options)
+    identity = {"version": STATE_VERSION, "fingerprint": fingerprint(manifests, mix.counts if mix else None),
+                "split": split, "units": [int(s.sizes.sum()) for s in sources],
+                **{name: getattr(config, name) for name in ORDER_SETTINGS}, "kind": manifests[0].kind,
+                "options": describe(kind.options)}
+    stream = ShardStream(sources, mix, kind, config, world, max_workers=max_workers, identity=identity,
+                         option_defaults=option_defaults(kind.options), **mode)
     if stream.batches() == 0:
         raise DatasetError(
             f"{', '.join(roots)}: split {split!r} gives {stream.total} samples per epoch, too few for one batch of "
@@ -423,13 +423,11 @@ def make_stream_loader(source: str | Sequence[str], split: str, *, config: Loade
     config, options = _config(config, settings)
     device, pin = _resolve_device(config.device, config.pin_memory)
     workers = config.num_workers
+    handoff = Handoff(Leases(workers), FirstOut(config.multiprocessing_context),
+                      Progress(workers) if config.stall_timeout is not None else None) if workers else Handoff()
     stream, manifests = _stream(source, split, dataclasses.replace(config, stats_callback=None), options,
-                                max_workers=workers)
+                                max_workers=workers, handoff=handoff)
     if workers:
-        stream.decoder.leases = Leases(workers)
-        stream.first_out = FirstOut(config.multiprocessing_context)
-        if config.stall_timeout is not None:
-            stream.decoder.progress = Progress(workers)
         _check_picklable(stream.kind, config.multiprocessing_context or multiprocessing.get_start_method())
     loader = DataLoader(
         stream,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from pipeline.collate import Leases
 from pipeline.decoding import Decoder
 from pipeline.config import LoaderConfig
 from pipeline.errors import ConfigError, ShardError, ShardstreamError
@@ -26,8 +27,21 @@ from pipeline.position import Place, Position, hand_over
 from pipeline.schedule import FirstOut, Schedule
 from pipeline.state import EpochState
 from pipeline.stats import Clock, WorkerTable
+from pipeline.watchdog import Progress
 
-__all__ = ["Asked", "ShardStream", "WorkerError"]
+__all__ = ["Asked", "Handoff", "ShardStream", "WorkerError"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """What a StreamLoader's own DataLoader shares with its workers, made in the main process before
+    they start: the batch buffers lent back (`collate.Leases`), the first batch's gate (`FirstOut`)
+    and what each worker does, for the watchdog (`Progress`). None of them for a dataset that
+    another's DataLoader iterates (`make_stream_dataset`), or without workers."""
+
+    leases: Leases | None = None
+    first_out: FirstOut | None = None
+    progress: Progress | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +65,13 @@ class ShardStream(IterableDataset):
 
     For `make_stream_dataset` (`finished`): batches as users get them (`Kind.finish`), or with
     `flatten` their samples (`Kind.unbatch`), errors raised in the worker; `split_workers=False`:
-    whoever iterates reads the rank's whole share, in any DataLoader worker."""
+    whoever iterates reads the rank's whole share, in any DataLoader worker. `identity`: what a saved
+    state must share with it (`state.resume_point`); `option_defaults`: what a kind option a saved
+    state lacks meant."""
 
     def __init__(self, sources: list[SplitIndex], mix: Mix | None, kind: Kind, config: LoaderConfig, world: World,
-                 *, max_workers: int, finished: bool = False, flatten: bool = False,
+                 *, max_workers: int, identity: dict[str, Any], option_defaults: dict[str, Any],
+                 handoff: Handoff = Handoff(), finished: bool = False, flatten: bool = False,
                  split_workers: bool = True) -> None:
         self.sources, self.mix, self.kind, self.config = sources, mix, kind, config
         self.total = epoch_samples([s.sizes for s in sources], mix)  # items in an epoch, before the split over ranks
@@ -67,15 +84,14 @@ class ShardStream(IterableDataset):
         # the manifest's SHA-256, shared so that a shard is hashed by one worker only.
         verified = torch.zeros(sum(len(s.split) for s in sources), 3, dtype=torch.int64).share_memory_() \
             if config.verify == "sha256" else None
-        self.first_out: FirstOut | None = None  # a StreamLoader's (`make_stream_loader` sets it)
+        self.first_out = handoff.first_out
         # What the StreamLoader's iteration asks for (its FirstOut ticket, epoch and history), in this
         # process's memory, not shared: workers started for it (forked or spawned) take it with them.
         self.asked: Asked | None = None
         self.finished, self.flatten, self.split_workers = finished, flatten, split_workers
-        self.decoder = Decoder(sources, kind, config, self.skipped)  # (its `leases`, `progress`: make_stream_loader's)
+        self.decoder = Decoder(sources, kind, config, self.skipped, handoff.leases, handoff.progress)
         self.readers = ProcessReaders(sources, config, verified)
-        self.identity: dict[str, Any] = {}  # what a saved state must share with this stream (`state.resume_point`)
-        self.option_defaults: dict[str, Any] = {}  # what a kind option a saved state lacks meant
+        self.identity, self.option_defaults = identity, option_defaults
         self.place = Place()  # this process's own position in its iteration (`state_dict`), or a loaded one
 
     @property
