@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 import numpy as np
 import pytest
 
-from pipeline import LoaderConfig, LoaderStats, make_stream_dataset, make_stream_loader
+from pipeline import LoaderConfig, make_stream_dataset, make_stream_loader
 from pipeline.kinds import sa1b
+from pipeline.kinds.embeddings import Embeddings
 from pipeline.stats import Clock, WorkerTable
 from shard_tools.embeddings import pack_embeddings
 from shard_tools.pack import PackOptions
 from shard_tools.samples.vqa import write_vqa
 from shard_tools.vqa import VqaSource, pack_vqa
 from test_loader import corrupted  # noqa: F401  (a fixture: one sample's annotation damaged)
+from procs import with_startup_code
 
 SMALL = dict(image_size=64, mask_size=32, max_masks=5)
 
@@ -74,9 +77,29 @@ def _timed_epoch(loader, epoch: int = 0, step=lambda: None) -> tuple[int, int]:
     return batches, samples
 
 
-def _worker_laws(stats: LoaderStats) -> None:
-    assert all(seconds >= 0 for seconds in stats.workers.values()), stats.workers
-    assert stats.workers["decode (image)"] > 0 and stats.workers["decode (masks)"] > 0
+def _decoding(samples: int, costs: Costs) -> dict[str, float]:
+    """The workers' figures of an SA-1B epoch on the fake clock: its image and mask decoding, nothing else."""
+    return {"read wait": 0.0, "open": 0.0, "decode (image)": samples * costs.image / 1e9,
+            "decode (masks)": samples * costs.masks / 1e9, "decode (rest)": 0.0, "collate": 0.0, "other": 0.0}
+
+
+# A spawned worker's own fake clock and costs (`FakeClock`, `Costs`): its startup code.
+_SPAWNED_COSTS = """
+import time
+from pipeline.kinds import sa1b
+from pipeline.kinds.embeddings import Embeddings
+
+now = [1 << 40]
+time.perf_counter_ns = lambda: now[0]
+
+def costing(work, cost):
+    def costed(*args, **kwargs):
+        now[0] += cost
+        return work(*args, **kwargs)
+    return costed
+
+sa1b.decode_image, sa1b.bits_at = costing(sa1b.decode_image, {image}), costing(sa1b.bits_at, {masks})
+"""
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -122,24 +145,36 @@ def test_a_slow_step_is_compute_bound_and_a_slow_input_input_bound(sa1b_dataset,
 
 
 @pytest.mark.parametrize("persistent, context", [(True, None), (False, None), (False, "spawn")])
-def test_workers_figures_reach_the_main_process_every_epoch(sa1b_dataset, persistent, context):
+def test_workers_figures_reach_the_main_process_every_epoch(sa1b_dataset, persistent, context, fake_clock, monkeypatch,
+                                                            tmp_path):
+    """Each epoch's workers' figures are what their decoding cost on the fake clock (spawned workers set
+    up their own, `_SPAWNED_COSTS`): they reach the main process, persistent or not, forked or spawned."""
+    costs = Costs(monkeypatch, fake_clock)
+    costs.image, costs.masks = 5 * MS, 2 * MS
+    if context == "spawn":
+        code = _SPAWNED_COSTS.format(image=costs.image, masks=costs.masks)
+        monkeypatch.setenv("PYTHONPATH", with_startup_code(dict(os.environ), tmp_path / "startup", code)["PYTHONPATH"])
     loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, num_workers=2, persistent_workers=persistent,
                                 multiprocessing_context=context, **SMALL)
     for epoch in range(2):
         batches, samples = _timed_epoch(loader, epoch)
         stats = loader.stats(reset=True)
         assert (stats.batches, stats.samples) == (batches, samples)
-        _worker_laws(stats)
+        assert stats.workers == pytest.approx(_decoding(samples, costs)), stats.workers
     assert loader.stats().batches == 0  # (reset)
 
 
-def test_a_skipped_sample_counts_as_skipped_not_as_a_sample(corrupted):  # noqa: F811  (the fixture imported)
+def test_a_skipped_sample_counts_as_skipped_not_as_a_sample(corrupted, fake_clock, monkeypatch):  # noqa: F811
+    """(`corrupted`: a fixture imported.) The skipped sample's annotation fails to unpack before its
+    image or masks are decoded: on the fake clock, the workers' figures are the other samples' decoding."""
     root, _, _ = corrupted
+    costs = Costs(monkeypatch, fake_clock)
+    costs.image, costs.masks = 5 * MS, 2 * MS
     loader = make_stream_loader(root, "train", batch_size=2, num_workers=2, on_error="skip", **SMALL)
     batches, samples = _timed_epoch(loader)
     stats = loader.stats()
     assert (stats.batches, stats.samples, stats.skipped) == (batches, samples, 1)
-    assert all(seconds >= 0 for seconds in stats.workers.values()), stats.workers
+    assert stats.workers == pytest.approx(_decoding(samples, costs)), stats.workers
 
 
 def test_stats_every_logs_the_table(sa1b_dataset, caplog):
@@ -170,7 +205,9 @@ def test_stats_every_is_checked_and_refused_where_there_are_no_stats(sa1b_datase
         make_stream_dataset(sa1b_dataset, "train", batch_size=1, stats_every=2, **SMALL)
 
 
-def test_each_kind_shows_its_own_decode_stages(tmp_path):
+def test_embeddings_show_one_decode_stage(tmp_path, fake_clock, monkeypatch):
+    """Embeddings have no stages of their own: one decode stage, on the fake clock what decoding each
+    batch's rows cost."""
     rng = np.random.default_rng(0)
     src = tmp_path / "emb"
     src.mkdir()
@@ -178,12 +215,22 @@ def test_each_kind_shows_its_own_decode_stages(tmp_path):
     (src / "schema.json").write_text(json.dumps({"fields": {"emb": {"file": "emb.npy"}}}))
     pack_embeddings(str(src), str(tmp_path / "emb-out"), rows_per_block=8, options=PackOptions(splits=None),
                     progress=False)
+    decode = Embeddings.decode
+
+    def costing(self, block, *, unit, **kwargs):  # (forked workers inherit it and the fake clock)
+        fake_clock.advance(len(unit) * MS)
+        return decode(self, block, unit=unit, **kwargs)
+
+    monkeypatch.setattr(Embeddings, "decode", costing)
     loader = make_stream_loader(str(tmp_path / "emb-out"), "train", batch_size=6, num_workers=2)
     rows = sum(len(batch["row"]) for batch in loader)
     stats = loader.stats()
-    assert stats.samples == rows == 36 and not any(name.startswith("decode (") for name in stats.workers)
-    assert stats.workers["decode"] >= 0
+    assert stats.samples == rows == 36
+    assert stats.workers == pytest.approx({"read wait": 0.0, "open": 0.0, "decode": rows * MS / 1e9, "collate": 0.0,
+                                           "other": 0.0}), stats.workers
 
+
+def test_vqa_shows_its_own_decode_stages(tmp_path):
     files = write_vqa(tmp_path / "vqa", "vqa-rad", {"train": 4}, per_image=(1, 3), seed=2)
     source = VqaSource(str(tmp_path / "vqa" / "images"), tuple((k, str(v)) for k, v in files.items()))
     pack_vqa(source, str(tmp_path / "vqa-out"), PackOptions(shard_samples=2), progress=False)
