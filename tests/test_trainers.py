@@ -81,6 +81,15 @@ def _questions(root: str, epoch: int = 0, texts: bool = False) -> list[Any]:
     return [(b["questions"][0], b["answers"][0]) if texts else (b["keys"][0], b["fields"][0]["qid"]) for b in loader]
 
 
+def _source_questions(root: str) -> dict[int, tuple[str, str]]:
+    """qid -> (question, answer) of every question, as the `vqa` fixture's SLAKE annotation file
+    (`<root>/../src/train.json`) has them: read as JSON, not through the loader; as text, as the VQA
+    packer documents it (strings as they are, JSON numbers and booleans as JSON text)."""
+    records = json.loads((pathlib.Path(root).parent / "src" / "train.json").read_text())
+    text = lambda value: value if isinstance(value, str) else json.dumps(value)  # noqa: E731
+    return {r["qid"]: (text(r["question"]), text(r["answer"])) for r in records}
+
+
 def _example() -> Any:
     spec = importlib.util.spec_from_file_location("grpo_vqa", REPO / "examples" / "grpo_vqa.py")
     module = importlib.util.module_from_spec(spec)
@@ -97,7 +106,7 @@ def test_trl_dataset_every_question_once_in_the_plan_of_each_epoch(vqa):
 
     ds = trl_dataset(vqa, "train", image_size=40, seed=SEED)
     assert isinstance(ds, datasets.IterableDataset) and ds.num_shards == 1
-    truth = {qid: text for (_, qid), text in zip(_questions(vqa), _questions(vqa, texts=True))}
+    truth = _source_questions(vqa)
     assert ds.info.splits["train"].num_examples == len(truth)
     for x in ds:
         assert x["prompt"] == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": x["question"]}]}]
