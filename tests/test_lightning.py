@@ -312,45 +312,72 @@ def _epochs(run: dict[str, list[str]]) -> dict[int, list[str]]:
     return {int(epoch): keys for epoch, keys in run.items()}
 
 
+@pytest.fixture(scope="module")
+def ddp(sa1b_dataset, tmp_path_factory):
+    """way -> (what each of the 2 torchrun processes recorded, their folder): the uninterrupted run, the
+    run checkpointing at each of DDP_STEPS, and a fresh run resumed from each (each way run once per module)."""
+    runs: dict[str, tuple[list[dict[str, Any]], pathlib.Path]] = {}
+
+    def run(way: str) -> tuple[list[dict[str, Any]], pathlib.Path]:
+        if way not in runs:
+            out = tmp_path_factory.mktemp(f"ddp-{way}")
+            torchrun(__file__, 2, "first", way, sa1b_dataset, str(out))
+            torchrun(__file__, 2, "resume", way, sa1b_dataset, str(out))
+            runs[way] = [json.loads((out / f"{way}-{rank}.json").read_text()) for rank in range(2)], out
+        return runs[way]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("way", [STREAM, STATEFUL])
-def test_ddp_mid_epoch_resume_trains_every_sample_once(way, sa1b_dataset, tmp_path, decodes):
-    torchrun(__file__, 2, "first", way, sa1b_dataset, str(tmp_path))
-    torchrun(__file__, 2, "resume", way, sa1b_dataset, str(tmp_path))
-    ranks = [json.loads((tmp_path / f"{way}-{rank}.json").read_text()) for rank in range(2)]
+def test_ddp_uninterrupted_run_trains_every_sample_once_in_each_ranks_plan(way, sa1b_dataset, ddp):
+    ranks, _ = ddp(way)
     full = [_epochs(r["full"]) for r in ranks]
     split = split_keys(sa1b_dataset)
     for rank in range(2):
         assert full[rank] == {e: _plan(sa1b_dataset, e, rank, 2) for e in (0, 1)}, "each rank: its plan, in order"
-    for epoch in (0, 1):  # the uninterrupted run: every sample of the epoch's plan once, over the ranks
+    for epoch in (0, 1):  # every sample of the epoch's plan once, over the ranks
         trained = [k for f in full for k in f[epoch]]
         assert len(trained) == len(set(trained)) == len(split) - len(split) % (2 * BATCH) and set(trained) <= set(split)
     assert full[0][0] != full[0][1]
-    for step in _ddp_steps(way):
-        for rank, run in enumerate(ranks):
-            resumed = run["resumed"][str(step)]
-            _check(full[rank], step * BATCH, _epochs(run["first"]), _epochs(resumed["seen"]), resumed["decoded"])
-            assert resumed["batches"] == [len(full[rank][0]) // BATCH] * 2, "len() and Lightning's count, per rank"
-        for epoch in (0, 1):  # over the ranks, what the two runs trained on: nothing twice, nothing lost
-            trained = [k for run in ranks for k in _split(_epochs(run["first"]), step * BATCH)[0].get(epoch, [])]
-            trained += [k for run in ranks for k in _epochs(run["resumed"][str(step)]["seen"]).get(epoch, [])]
-            assert sorted(trained) == sorted(k for f in full for k in f[epoch]) and len(set(trained)) == len(trained)
-    if way == STREAM:  # the 2-process checkpoint of step 1, resumed on 1 process: the samples no rank had taken
-        (ckpt,) = (tmp_path / "ckpt").glob("epoch=*-step=1.ckpt")
-        _, alone, decoded = _resume(way, sa1b_dataset, tmp_path / "alone", ckpt, decodes)
-        taken = [k for run in ranks for k in _epochs(run["first"])[0][:BATCH]]
-        rest = len(split) - len(split) % (2 * BATCH) - len(taken)  # (those of the 2-rank epoch, less the
-        rest -= rest % BATCH                                       # 1-process epoch's own remainder)
-        assert len(alone.seen[0]) == rest and not set(alone.seen[0]) & set(taken)
-        assert len(set(alone.seen[0])) == rest and set(alone.seen[0]) <= set(split)
-        assert alone.seen[1] == _plan(sa1b_dataset, 1), "then whole epochs in the new world"
-        assert sorted(decoded) == sorted(_flat(alone.seen))
 
 
-def _ddp_steps(way: str) -> tuple[int, ...]:
-    """The checkpoints resumed: a StatefulDataLoader's at an epoch's last batch is Lightning's to lose
-    (`_LIGHTNING_EMPTY_EPOCH`, one process, above)."""
-    return DDP_STEPS if way == STREAM else tuple(s for s in DDP_STEPS if s % 2)
+@pytest.mark.slow
+@pytest.mark.parametrize(("way", "step"), [
+    (STREAM, 1), (STREAM, 2), (STREAM, 3),
+    (STATEFUL, 1), pytest.param(STATEFUL, 2, marks=_LIGHTNING_EMPTY_EPOCH), (STATEFUL, 3),
+])
+def test_ddp_mid_epoch_resume_trains_every_sample_once(way, step, ddp):
+    """Resumed from the checkpoint of step `step` (2 batches per rank and epoch: in epoch 0, at its last
+    batch, in epoch 1), each rank trains on the rest of its uninterrupted run and decodes only that."""
+    ranks, _ = ddp(way)
+    full = [_epochs(r["full"]) for r in ranks]
+    for rank, run in enumerate(ranks):
+        resumed = run["resumed"][str(step)]
+        _check(full[rank], step * BATCH, _epochs(run["first"]), _epochs(resumed["seen"]), resumed["decoded"])
+        assert resumed["batches"] == [len(full[rank][0]) // BATCH] * 2, "len() and Lightning's count, per rank"
+    for epoch in (0, 1):  # over the ranks, what the two runs trained on: nothing twice, nothing lost
+        trained = [k for run in ranks for k in _split(_epochs(run["first"]), step * BATCH)[0].get(epoch, [])]
+        trained += [k for run in ranks for k in _epochs(run["resumed"][str(step)]["seen"]).get(epoch, [])]
+        assert sorted(trained) == sorted(k for f in full for k in f[epoch]) and len(set(trained)) == len(trained)
+
+
+@pytest.mark.slow
+def test_a_ddp_checkpoint_resumed_on_one_process_takes_the_samples_no_rank_had(sa1b_dataset, ddp, decodes, tmp_path):
+    """The 2-process checkpoint of step 1, resumed on 1 process: the samples no rank had taken, then
+    whole epochs in the new world."""
+    ranks, out = ddp(STREAM)
+    split = split_keys(sa1b_dataset)
+    (ckpt,) = (out / "ckpt").glob("epoch=*-step=1.ckpt")
+    _, alone, decoded = _resume(STREAM, sa1b_dataset, tmp_path / "alone", ckpt, decodes)
+    taken = [k for run in ranks for k in _epochs(run["first"])[0][:BATCH]]
+    rest = len(split) - len(split) % (2 * BATCH) - len(taken)  # (those of the 2-rank epoch, less the
+    rest -= rest % BATCH                                       # 1-process epoch's own remainder)
+    assert len(alone.seen[0]) == rest and not set(alone.seen[0]) & set(taken)
+    assert len(set(alone.seen[0])) == rest and set(alone.seen[0]) <= set(split)
+    assert alone.seen[1] == _plan(sa1b_dataset, 1), "then whole epochs in the new world"
+    assert sorted(decoded) == sorted(_flat(alone.seen))
 
 
 def _rank(phase: str, way: str, root: str, out: str) -> None:
@@ -369,7 +396,7 @@ def _rank(phase: str, way: str, root: str, out: str) -> None:
     Sa1b.decode = _counted_decode
     record = json.loads(results.read_text())
     record["resumed"] = {}
-    for step in _ddp_steps(way):
+    for step in DDP_STEPS:  # (a StatefulDataLoader's at an epoch's last batch: Lightning's to lose, pinned above)
         (ckpt,) = (out_dir / "ckpt").glob(f"epoch=*-step={step}.ckpt")
         decoded = out_dir / f"decoded-{way}-{step}-{rank}.txt"
         _DECODES["path"] = str(decoded)
