@@ -299,13 +299,13 @@ pack._write_shard = held
 """
 
 
-def _stderr_on_a_terminal(args: list[str], folder: pathlib.Path) -> str:
+def _stderr_on_a_terminal(args: list[str], folder: pathlib.Path | None = None) -> str:
     """What `shard-pack args` writes to stderr when it is a terminal (a pseudo-terminal of 100 columns,
-    tqdm showing every count it is given), with the last sample of each shard held until the bar has
-    shown a count that is not a whole number of shards (then `folder/go` lets them go)."""
-    go = folder / "go"
-    env = {**with_startup_code(_ENV, folder, _HOLD_EACH_SHARDS_LAST_SAMPLE.format(go=str(go))),
-           "TQDM_MININTERVAL": "0", "TQDM_MINITERS": "1"}
+    tqdm showing every count it is given); with `folder`, the last sample of each shard held until the
+    bar has shown a count that is not a whole number of shards (then `folder/go` lets them go)."""
+    go = None if folder is None else folder / "go"
+    held = _ENV if go is None else with_startup_code(_ENV, folder, _HOLD_EACH_SHARDS_LAST_SAMPLE.format(go=str(go)))
+    env = {**held, "TQDM_MININTERVAL": "0", "TQDM_MINITERS": "1"}
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
     child = subprocess.Popen([sys.executable, "-m", "shard_tools.cli", *args], cwd=REPO, env=env,
@@ -314,13 +314,16 @@ def _stderr_on_a_terminal(args: list[str], folder: pathlib.Path) -> str:
     chunks, deadline = [], time.monotonic() + 120  # (a bound on the wait for the count, not a measure)
     try:
         with contextlib.suppress(OSError):  # (EIO once the child has closed the terminal)
-            while go.exists() or select.select([master], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            while (go is not None and go.exists()) or \
+                    select.select([master], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 if not (data := os.read(master, 1 << 16)):
                     break
                 chunks.append(data)
-                if not go.exists() and any(int(n) % 800 for n in re.findall(rb" (\d+)/1600 ", b"".join(chunks))):
+                if go is not None and not go.exists() and \
+                        any(int(n) % 800 for n in re.findall(rb" (\d+)/1600 ", b"".join(chunks))):
                     go.touch()
-        assert go.exists(), "no count inside a shard while each shard's last sample was held: " + repr(b"".join(chunks))
+        assert go is None or go.exists(), \
+            "no count inside a shard while each shard's last sample was held: " + repr(b"".join(chunks))
         assert child.wait(timeout=300) == 0
     finally:
         os.close(master)
