@@ -9,10 +9,11 @@ import collections
 import posixpath
 from collections.abc import Iterator
 
+from pipeline.errors import excerpt
 from pipeline.format import check_ext, check_key
 from pipeline.tario import ArchiveMember
 from shard_tools.plugin import PackingKind
-from shard_tools.scan import LIMITS, Indexing, Members, shown, skip
+from shard_tools.scan import LIMITS, Indexing, Members, skip
 
 __all__ = ["PACKING"]
 
@@ -52,9 +53,9 @@ def _problem(key: str, group: list[ArchiveMember], exts: list[str], seen: set[st
     """Why a group of members cannot be indexed as a sample, if so."""
     for member, ext in zip(group, exts):
         if member.problem is not None:
-            return f"member {shown(member.name)!r}: {member.problem}"
+            return f"member {excerpt(member.name, 100)}: {member.problem}"
         if not _ext_ok(ext):
-            return (f"member {shown(member.name)!r}: extension {ext!r} is not lowercase letters and digits, "
+            return (f"member {excerpt(member.name, 100)}: extension {ext!r} is not lowercase letters and digits, "
                     "joined by dots")
     try:
         check_key(key)
