@@ -4,7 +4,7 @@ construction (the kind's own options, such as `image_size`, belong to the kind: 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +65,8 @@ class LoaderConfig:
     allowed_roots: Sequence[str] = ()
     weights: Sequence[float] | None = None  # several sources mixed in these shares
     epoch_size: int | None = None  # samples per epoch of a mix
+    # Outputs attached to each batch: {batch field: the sidecar holding it} (`pipeline.outputs.attach`).
+    attach: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
     stats_every: int | None = None  # log `loader.stats()` (INFO, logger "pipeline.loader") every this many batches
     stats_callback: Callable[[Any], None] | None = None  # ... and hand it to this (a metrics logger's; main process)
     # Seconds without any DataLoader worker's progress before an iteration ends with a StallError naming
@@ -124,6 +126,11 @@ class LoaderConfig:
         if self.world_size is not None:
             _at_least("world_size", self.world_size, 1)
             _at_least("rank", self.rank, 0)
+        attach = tuple(self.attach.items()) if isinstance(self.attach, Mapping) else self.attach
+        if not isinstance(attach, tuple) or not all(isinstance(p, tuple) and len(p) == 2
+                                                    and all(isinstance(x, str) for x in p) for p in attach):
+            raise ConfigError(f"attach must be a dict {{batch field: sidecar place}}, got {self.attach!r}")
+        object.__setattr__(self, "attach", attach)  # (picklable and hashable, in the order given)
 
     @classmethod
     def split(cls, settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

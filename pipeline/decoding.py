@@ -5,6 +5,7 @@ buffers the main process lends back (`collate.Leases`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from pipeline.config import LoaderConfig
 from pipeline.errors import ConfigError, ShardError, ShardstreamError, about_sample
 from pipeline.index import Located, SplitIndex
 from pipeline.kinds import Kind
+from pipeline.outputs.attach import Attachments
 from pipeline.read import Opened, SampleReads
 from pipeline.stats import Clock
 from pipeline.watchdog import Progress
@@ -31,10 +33,13 @@ class Decoder:
     (row 0 all epochs, row 1 this iteration, a column per worker: shared with the main process)."""
 
     def __init__(self, sources: list[SplitIndex], kind: Kind, config: LoaderConfig, skipped: torch.Tensor,
-                 leases: Leases | None = None, progress: Progress | None = None) -> None:
+                 leases: Leases | None = None, progress: Progress | None = None,
+                 attachments: Attachments | None = None) -> None:
+        """`attachments`: the sidecars whose records join the samples (none by default)."""
         self.sources, self.kind, self.config, self.skipped = sources, kind, config, skipped
         self.leases = leases  # workers recycle batch buffers our own DataLoader hands back
         self.progress = progress  # in a worker of our own DataLoader: what it does, for the watchdog
+        self.attachments = attachments or Attachments((), sources, kind)
 
     def note(self, worker: int, stage: str, sample: Located | None = None) -> None:
         """The worker moves on to `stage` (`watchdog.STAGES`), of `sample`."""
@@ -57,27 +62,38 @@ class Decoder:
             opened.keep(sample.where, (result, held))
         return result
 
-    def _decoded(self, reads: SampleReads, opened: Opened, sample: Located, unit: Any, epoch: int,
-                 worker: int, clock: Clock) -> Any:
-        """One unit (or, grouped, units) of a sample decoded by the kind; its errors name it."""
+    def _decoded(self, reads: SampleReads, opened: Opened, work: tuple[Located, Any, Any], epoch: int,
+                 worker: int, clock: Clock) -> tuple[Any, list[dict[str, Any]]]:
+        """One unit (or, grouped, units) of a sample decoded by the kind, and the values attached to
+        each (a row each); its errors name it."""
+        sample, unit, records = work
         try:
             with about_sample(sample.url, sample.key):
                 self.note(worker, "reading", sample)
                 taken = self._open(reads, opened, sample, clock)
                 self.note(worker, "decoding", sample)
-                return self.kind.decode(taken, unit=unit, seed=self.config.seed, epoch=epoch, url=sample.url,
-                                        key=sample.key, clock=clock)
+                decoded = self.kind.decode(taken, unit=unit, seed=self.config.seed, epoch=epoch, url=sample.url,
+                                           key=sample.key, clock=clock)
+                if not self.attachments.sidecars:
+                    return decoded, []
+                self.note(worker, "reading", sample)
+                rows = records if self.kind.grouped else (records,)
+                return decoded, [self.attachments.take(reads, row) for row in rows]
         finally:
             reads.done(sample)
 
-    def decode(self, reads: SampleReads, opened: Opened, work: Sequence[tuple[Located, Any]], epoch: int,
-               worker: int, budget: int | None, clock: Clock) -> tuple[list[Any], int]:
-        """The batch's decoded samples and how many of its units failed; with on_error="skip", those
-        that fail are counted and left out (more than `budget` in this iteration of the rank: an error)."""
-        cfg, pieces, lost = self.config, [], 0
-        for sample, unit in work:
+    def decode(self, reads: SampleReads, opened: Opened, work: Sequence[tuple[Located, Any, Any]], epoch: int,
+               worker: int, budget: int | None, clock: Clock) -> tuple[list[Any], list[dict[str, Any]], int]:
+        """The batch's decoded samples, the values attached to its rows, and how many of its units
+        failed; with on_error="skip", those that fail are counted and left out (more than `budget` in
+        this iteration of the rank: an error)."""
+        cfg, pieces, attached, lost = self.config, [], [], 0
+        for entry in work:
+            sample, unit, _ = entry
             try:
-                pieces.append(self._decoded(reads, opened, sample, unit, epoch, worker, clock))
+                decoded, values = self._decoded(reads, opened, entry, epoch, worker, clock)
+                pieces.append(decoded)
+                attached += values
             except ShardstreamError as exc:
                 if cfg.on_error == "raise" or isinstance(exc, ConfigError):  # (a setting's error is no sample's)
                     raise
@@ -90,12 +106,15 @@ class Decoder:
                     raise ShardError(f"{skipped} samples skipped in this epoch, "
                                      f"more than max_errors={cfg.max_errors} allows ({budget}); last: {exc}",
                                      url=self.sources[sample.where[0]].root) from exc
-        return pieces, lost
+        return pieces, attached, lost
 
-    def collate(self, samples: list[Any], worker: int, epoch: int) -> Any:
-        if self.leases is None or get_worker_info() is None:
-            return self.kind.collate(samples, epoch)
-        with self.leases.collating(worker):
+    def collate(self, samples: list[Any], attached: list[dict[str, Any]], worker: int, epoch: int) -> Any:
+        """The kind's batch of the samples, with their attached values (into lent buffers, where lent)."""
+        lending = self.leases is not None and get_worker_info() is not None
+        with self.leases.collating(worker) if lending else contextlib.nullcontext():  # type: ignore[union-attr]
             batch = self.kind.collate(samples, epoch)
-        self.leases.lend(worker, batch)
+            if self.attachments.sidecars:
+                self.attachments.collate(attached, batch)
+        if lending:
+            self.leases.lend(worker, batch)  # type: ignore[union-attr]
         return batch

@@ -18,7 +18,8 @@ from pipeline.format import Manifest, ShardIndex, ShardInfo, Split
 from pipeline.storage.fs import shard_url
 from pipeline.tario import BLOCK
 
-__all__ = ["Located", "MEMBER_GAP", "Members", "SplitIndex", "Where", "group", "locate", "member_ranges", "resolve"]
+__all__ = ["Located", "MEMBER_GAP", "Members", "SplitIndex", "Where", "group", "locate", "member_ranges", "resolve",
+           "row_order"]
 
 Where = tuple[int, int]  # a sample: (source, sample number in the source's split)
 Members = list[tuple[str, int, int]]  # (extension, header offset, data bytes) of each, in shard order
@@ -131,3 +132,12 @@ def group(sources: np.ndarray, samples: np.ndarray, units: np.ndarray,
     ends = np.cumsum(np.bincount(order)).tolist()
     together = units[np.argsort(order, kind="stable")]
     return wheres, [(where, together[start:end]) for where, start, end in zip(wheres, [0] + ends, ends)]
+
+
+def row_order(sources: np.ndarray, samples: np.ndarray, grouped: bool) -> np.ndarray:
+    """A batch's plan items (by position) in the order of its rows: plan order, or for a `grouped`
+    kind each sample's items together, samples in order of first use (as `group` gives them)."""
+    if not grouped:
+        return np.arange(len(samples))
+    _, first, inverse = np.unique(sources << _SAMPLE_BITS | samples, return_index=True, return_inverse=True)
+    return np.argsort(first[inverse.reshape(-1)], kind="stable")

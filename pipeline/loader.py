@@ -11,7 +11,6 @@ import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
@@ -23,8 +22,9 @@ from pipeline.errors import ConfigError, DatasetError, ManifestError, StallError
 from pipeline.format import Manifest
 from pipeline.index import SplitIndex
 from pipeline.kinds import Kind, kind_of
+from pipeline.outputs.attach import Attachments
 from pipeline.plan import Mix, Resume, World
-from pipeline.stats import MAIN_STAGES, Clock, LoaderStats
+from pipeline.stats import Figures, LoaderStats
 from pipeline.state import ORDER_SETTINGS, STATE_VERSION, describe, fingerprint, option_defaults, resume_point
 from pipeline.storage import ShardCache, filesystem, is_local, read_manifest, shard_url
 from pipeline.storage.places import Places
@@ -55,24 +55,14 @@ class StreamLoader:
         self._taken: tuple[Resume, ...] = ()  # the epoch's history as of the last iteration, this one included
         self._generation = 0  # of the current iteration: an iterator of an earlier one is no longer valid
         self._started = -1  # the generation whose iterator has begun (one not begun plays the position it finds)
-        self._clock, self._yielded = Clock(MAIN_STAGES, rest="other"), 0  # the main process's times (`stats`)
-        self._baseline = self._figures()
-
-    def _figures(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(main-process nanoseconds per stage and batches yielded, the workers' totals, skipped) so far."""
-        main = np.array([*self._clock.ns.values(), self._yielded], dtype=np.int64)
-        return main, self._stream.times.totals(), self.skipped
+        self._figures = Figures(stream.times, stream.skipped)  # the main process's times, and the workers'
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """Where the time went since the loader was made (or since the last `stats(reset=True)`): per
         stage in this process and, summed, in its DataLoader workers, with a verdict (`pipeline.stats`).
         Workers' figures count the batches they finished, some of which may still be in transit; the
         loop's time with a batch counts when it asks for the next one (or ends the iteration)."""
-        now = self._figures()
-        main, workers, skipped = (a - b for a, b in zip(now, self._baseline))
-        if reset:
-            self._baseline = now
-        return LoaderStats.of(main, workers, self._stream.times, skipped)
+        return self._figures.stats(reset)
 
     @property
     def epoch(self) -> int:
@@ -90,6 +80,7 @@ class StreamLoader:
         starts from its beginning (and an iterator that has begun is no longer valid; one not begun
         plays it: Lightning makes its iterator, then sets the epoch)."""
         stream = self._stream
+        stream.attachments.check_epoch(epoch)
         was, loaded = stream.epoch, stream.state.history
         taken = self._taken or loaded  # (as of the last batch handed over: a trainer may stop asking at len())
         rest = stream.batches(taken) if loaded else 0
@@ -156,8 +147,8 @@ class StreamLoader:
         serve whichever iteration asks: a stale one must not take a batch of the next). The workers'
         read-ahead waits for iteration `ticket`'s first batch (`schedule.FirstOut`)."""
         self._check_current(generation)
-        clock, start = self._clock, time.perf_counter_ns()  # the hand-off: from asking to getting (workers start)
-        if (progress := self._stream.decoder.progress) is not None:
+        clock, start = self._figures.clock, time.perf_counter_ns()  # the hand-off: asking to getting (workers start)
+        if (progress := self._stream.stages.decoder.progress) is not None:
             progress.begin()  # (a stall counts from here at the earliest)
         try:
             batches = started(self._loader, progress, self.config.stall_timeout)
@@ -187,7 +178,7 @@ class StreamLoader:
     def _iterate(self, generation: int) -> Iterator[dict[str, Any]]:
         self._check_current(generation)
         self._started = generation
-        stream, clock, every = self._stream, self._clock, self.config.stats_every
+        stream, clock, every = self._stream, self._figures.clock, self.config.stats_every
         clock.mark()  # (from here, the time outside the stages' blocks is "other")
         history, world_size = stream.state.history, stream.world_size
         first_out = stream.first_out
@@ -210,15 +201,15 @@ class StreamLoader:
             done += 1  # counted as handed over: a checkpoint taken while the batch is in use includes it
             self._taken = (*past, Resume(world_size, done))
             with clock.stage("finish"):
-                finished = stream.kind.finish(batch)
+                finished = stream.attachments.finish(batch)
                 del batch  # (released here, not at the next fetch: freeing its tensors is finishing's cost)
-                self._yielded += 1
+                self._figures.yielded += 1
                 if first_out is not None:
                     first_out.release(ticket)  # (the first batch is out: the workers read ahead)
             with clock.stage("loop"):
                 yield finished
-            if every is not None and self._yielded % every == 0:
-                _report(self.stats(), self._yielded, self.config.stats_callback)
+            if every is not None and self._figures.yielded % every == 0:
+                _report(self.stats(), self._figures.yielded, self.config.stats_callback)
         if generation == self._generation:
             stream.state.set(stream.epoch, ())  # the epoch is complete: iterating it again plays all of it
 
@@ -239,6 +230,7 @@ class StreamLoader:
         dataset, split, ordering settings or kind options is refused. An iterator still open is no
         longer valid."""
         epoch, history = resume_point(state, self._stream.identity, self._stream.option_defaults)
+        self._stream.attachments.check_epoch(epoch)
         self._stream.state.set(epoch, history)
         self._moved()
         self._stream.batches()  # refuse now a history this dataset cannot have
@@ -365,8 +357,10 @@ def _stream(source: str | Sequence[str], split: str, config: LoaderConfig, optio
                 "split": split, "units": [int(s.sizes.sum()) for s in sources],
                 **{name: getattr(config, name) for name in ORDER_SETTINGS}, "kind": manifests[0].kind,
                 "options": describe(kind.options)}
+    attachments = Attachments.of(dict(config.attach), manifests, split, kind, sources, config.seed,
+                                 config.storage_options, config.retry)
     stream = ShardStream(sources, mix, kind, config, world, max_workers=max_workers, identity=identity,
-                         option_defaults=option_defaults(kind.options), **mode)
+                         option_defaults=option_defaults(kind.options), attachments=attachments, **mode)
     if stream.batches() == 0:
         raise DatasetError(
             f"{', '.join(roots)}: split {split!r} gives {stream.total} samples per epoch, too few for one batch of "
@@ -474,7 +468,9 @@ def make_stream_dataset(source: str | Sequence[str], split: str, *, max_workers:
 def validate_first_batch(loader: StreamLoader) -> dict[str, Any]:
     """Take the loader's first batch and check keys, shapes, dtypes, finiteness and ranges; return it."""
     batch = next(iter(loader))
+    attached = {name: batch.pop(name) for name, _ in loader.config.attach}
     problems = loader.kind.check(batch, loader.epoch)
+    batch.update(attached)
     if problems:
         raise DatasetError("first batch is invalid:\n  " + "\n  ".join(problems))
     return batch

@@ -85,8 +85,10 @@ class ProcessReaders:
     (filesystems are not fork-safe) and kept for its later iterations (a client costs ~0.1-0.3 s to
     make, and a sample opened again costs its checks again)."""
 
-    def __init__(self, sources: Sequence[SplitIndex], config: LoaderConfig, verified: torch.Tensor | None) -> None:
-        self.sources, self.config, self.verified = sources, config, verified
+    def __init__(self, sources: Sequence[SplitIndex], config: LoaderConfig, verified: torch.Tensor | None,
+                 attachments: Any = None) -> None:
+        """`attachments`: sidecars (`pipeline.outputs.attach`) whose readers follow the sources'."""
+        self.sources, self.config, self.verified, self.attachments = sources, config, verified, attachments
         self.pid: int | None = None
         self.readers: list[ShardReader] = []
         self.opened = Opened(config.unit_cache_bytes)
@@ -102,6 +104,8 @@ class ProcessReaders:
                 tables = [(table[end - len(s.split) : end], s.split.names) for s, end in zip(self.sources, ends)]
             self.readers = [ShardReader(s.root, cfg.storage_options, cfg.retry, cache, verified, cfg.index_cache_bytes,
                                         cfg.allowed_roots) for s, verified in zip(self.sources, tables)]
+            if self.attachments is not None:
+                self.readers += self.attachments.readers(cfg, cache)
             self.opened = Opened(cfg.unit_cache_bytes)
             self.pid = os.getpid()
         return self.readers, self.opened

@@ -15,7 +15,8 @@ import numpy as np
 import numpy.ma  # noqa: F401  (np.unique imports it on first use: ~0.1 s of each worker's first batch)
 
 from pipeline.config import LoaderConfig
-from pipeline.index import Located, group, locate, resolve
+from pipeline.index import Located, group, locate, resolve, row_order
+from pipeline.outputs.attach import Attachments
 from pipeline.plan import Item
 from pipeline.read import Opened, SampleReads
 
@@ -78,16 +79,19 @@ class Schedule:
     """
 
     def __init__(self, grouped: bool, config: LoaderConfig, plan: Sequence[Item], reads: SampleReads, opened: Opened,
-                 first_out: tuple[FirstOut, int] | None, start: tuple[int, int] = (0, 0)) -> None:
+                 first_out: tuple[FirstOut, int] | None, start: tuple[int, int] = (0, 0),
+                 attach: tuple[Attachments, int] | None = None) -> None:
+        """`attach`: the sidecars whose records are read with the samples', and the epoch."""
         self.sources, self.grouped, self.config, self.plan, self.reads = reads.sources, grouped, config, plan, reads
-        self.opened, self.first_out, (self.start, self.rows) = opened, first_out, start
+        self.opened, self.first_out, (self.start, self.rows), self.attach = opened, first_out, start, attach
 
-    def __iter__(self) -> Iterator[tuple[int, int, list[tuple[Located, Any]]]]:
-        """(batch number, its items taken, what to decode of each sample: (sample, unit or units))."""
+    def __iter__(self) -> Iterator[tuple[int, int, list[tuple[Located, Any, Any]]]]:
+        """(batch number, its items taken, what to decode of each sample: (sample, unit or units, the
+        records attached to it: one per sidecar, or for a grouped kind such a tuple per unit))."""
         plan, start, cfg = self.plan, self.start, self.config
         chunks = self._chunks()
         asked = last = start  # batches asked for; the first batch of the last chunk asked for
-        prepared: dict[int, list[tuple[Located, Any]]] = {}
+        prepared: dict[int, list[tuple[Located, Any, Any]]] = {}
         if chunks is not None and cfg.first_batch_by_range:  # (from object storage: the first batch's reads only,
             self.reads.hold_downloads()  # by range; else from the cache's downloads, started at once)
         for i in range(start, len(plan)):
@@ -106,9 +110,9 @@ class Schedule:
             cut = self.rows if i == start else 0
             yield plan[i][0], len(plan[i][2]) - cut, prepared.pop(i)
 
-    def _prepare(self, batch: int) -> tuple[list[Located], list[tuple[Located, Any]]]:
-        """A batch's samples located (their shards' indexes fetched together), in order of first use,
-        and what to decode of each (`index.group`)."""
+    def _prepare(self, batch: int) -> tuple[list[Located], list[tuple[Located, Any, Any]]]:
+        """A batch's samples (and records attached to them) located, their shards' indexes fetched
+        together, in order of first use, and what to decode of each (`index.group`)."""
         cut = self.rows if batch == self.start else 0
         sources, items = (column[cut:] for column in self.plan[batch][1:])
         samples, units = np.empty_like(items), np.zeros_like(items)
@@ -122,7 +126,17 @@ class Schedule:
             indexes[number] = found
         wheres, work = group(sources, samples, units, self.grouped)
         located = {where: resolve(self.sources[where[0]], where, indexes[where[0]]) for where in wheres}
-        return list(located.values()), [(located[where], unit) for where, unit in work]
+        if self.attach is None:
+            return list(located.values()), [(located[where], unit, ()) for where, unit in work]
+        attachments, epoch = self.attach
+        rows = row_order(sources, samples, self.grouped)
+        keys = [located[where].key for where in zip(sources[rows].tolist(), samples[rows].tolist())]
+        records = attachments.locate(self.reads.readers, epoch, sources[rows], items[rows], keys)
+        ends = np.cumsum([len(unit) if self.grouped else 1 for _, unit in work]).tolist()
+        per = [tuple(records[start:end]) if self.grouped else records[start]
+               for start, end in zip([0] + ends[:-1], ends)]
+        return [*located.values(), *(r for row in records for r in row)], \
+            [(located[where], unit, mine) for (where, unit), mine in zip(work, per)]
 
     def _wait_first_out(self) -> None:
         if self.first_out is not None:

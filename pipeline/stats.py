@@ -20,7 +20,7 @@ import torch
 
 from pipeline.errors import ConfigError
 
-__all__ = ["Clock", "Stage", "WorkerTable", "LoaderStats", "INPUT_BOUND", "verdict"]
+__all__ = ["Clock", "Figures", "Stage", "WorkerTable", "LoaderStats", "INPUT_BOUND", "verdict"]
 
 # "decode": the whole block, the reads' waits, opens and the kind's parts in it included; "active": a batch's work
 WORKER_STAGES = ("read", "open", "decode", "collate", "active")
@@ -195,3 +195,23 @@ def verdict(waited: float, batches: int, main: dict[str, float], workers: dict[s
     if largest != "hand-off" or not any(s > 0 for s in workers.values()):
         return f"input-bound: {head}; {largest} in the main process dominates"
     return f"input-bound: {head}; {max(workers, key=workers.__getitem__)} dominates the workers' time"
+
+
+class Figures:
+    """A StreamLoader's figures: the main process's clock and batches yielded, beside its workers'
+    table and skips (a tensor: row 0, all epochs); `stats` since the start or the last reset."""
+
+    def __init__(self, table: WorkerTable, skipped: Any) -> None:
+        self.clock, self.yielded, self.table, self.skipped = Clock(MAIN_STAGES, rest="other"), 0, table, skipped
+        self._baseline = self._now()
+
+    def _now(self) -> tuple[np.ndarray, np.ndarray, int]:
+        main = np.array([*self.clock.ns.values(), self.yielded], dtype=np.int64)
+        return main, self.table.totals(), int(self.skipped[0].sum())
+
+    def stats(self, reset: bool = False) -> LoaderStats:
+        now = self._now()
+        main, workers, skipped = (a - b for a, b in zip(now, self._baseline))
+        if reset:
+            self._baseline = now
+        return LoaderStats.of(main, workers, self.table, skipped)

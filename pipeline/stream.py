@@ -1,7 +1,6 @@
 """The stream: a torch IterableDataset yielding one worker's batches of a split for the epoch in
-`EpochState`, as a chain of stages: plan -> schedule (`pipeline.schedule`: locate, read ahead) ->
-read (`pipeline.read`) -> decode (`pipeline.decoding`, the kind's) -> collate (into buffers lent back
-by the main process). Errors of ours in a worker travel back as
+`EpochState`, made by a chain of stages (`pipeline.stages`: plan -> schedule -> read -> decode ->
+collate, into buffers lent back by the main process). Errors of ours in a worker travel back as
 values (torch would re-raise them as a bare RuntimeError); with on_error="skip" a bad sample is
 left out, within the skip budget."""
 
@@ -18,15 +17,17 @@ from torch.utils.data import IterableDataset, get_worker_info
 from pipeline.collate import Leases
 from pipeline.decoding import Decoder
 from pipeline.config import LoaderConfig
-from pipeline.errors import ConfigError, ShardError, ShardstreamError
+from pipeline.errors import ConfigError, ShardstreamError
 from pipeline.index import SplitIndex
 from pipeline.kinds import Kind
-from pipeline.plan import Mix, Resume, World, epoch_samples, plan_epoch, rank_batch_count, rank_sample_count
-from pipeline.read import ProcessReaders, SampleReads
+from pipeline.outputs.attach import Attachments
+from pipeline.plan import Mix, Resume, World, epoch_samples, rank_batch_count, rank_sample_count
+from pipeline.read import ProcessReaders
 from pipeline.position import Place, Position, hand_over
-from pipeline.schedule import FirstOut, Schedule
+from pipeline.schedule import FirstOut
+from pipeline.stages import Stages
 from pipeline.state import EpochState
-from pipeline.stats import Clock, WorkerTable
+from pipeline.stats import WorkerTable
 from pipeline.watchdog import Progress
 
 __all__ = ["Asked", "Handoff", "ShardStream", "WorkerError"]
@@ -67,12 +68,12 @@ class ShardStream(IterableDataset):
     `flatten` their samples (`Kind.unbatch`), errors raised in the worker; `split_workers=False`:
     whoever iterates reads the rank's whole share, in any DataLoader worker. `identity`: what a saved
     state must share with it (`state.resume_point`); `option_defaults`: what a kind option a saved
-    state lacks meant."""
+    state lacks meant; `attachments`: the sidecars whose outputs join each batch (and its `finish`)."""
 
     def __init__(self, sources: list[SplitIndex], mix: Mix | None, kind: Kind, config: LoaderConfig, world: World,
                  *, max_workers: int, identity: dict[str, Any], option_defaults: dict[str, Any],
                  handoff: Handoff = Handoff(), finished: bool = False, flatten: bool = False,
-                 split_workers: bool = True) -> None:
+                 split_workers: bool = True, attachments: Attachments) -> None:
         self.sources, self.mix, self.kind, self.config = sources, mix, kind, config
         self.total = epoch_samples([s.sizes for s in sources], mix)  # items in an epoch, before the split over ranks
         self.rank, self.world_size = world.rank, world.world_size
@@ -89,8 +90,9 @@ class ShardStream(IterableDataset):
         # process's memory, not shared: workers started for it (forked or spawned) take it with them.
         self.asked: Asked | None = None
         self.finished, self.flatten, self.split_workers = finished, flatten, split_workers
-        self.decoder = Decoder(sources, kind, config, self.skipped, handoff.leases, handoff.progress)
-        self.readers = ProcessReaders(sources, config, verified)
+        self.attachments = attachments
+        decoder = Decoder(sources, kind, config, self.skipped, handoff.leases, handoff.progress, attachments)
+        self.stages = Stages(sources, mix, config, decoder, ProcessReaders(sources, config, verified, attachments))
         self.identity, self.option_defaults = identity, option_defaults
         self.place = Place()  # this process's own position in its iteration (`state_dict`), or a loaded one
 
@@ -130,7 +132,8 @@ class ShardStream(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration plays, from the main process (HF Trainer and accelerate
-        call this on datasets that have it)."""
+        call this on datasets that have it). An epoch an attached sidecar lacks is refused."""
+        self.attachments.check_epoch(epoch)
         self.state.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
@@ -160,6 +163,7 @@ class ShardStream(IterableDataset):
     def ask(self) -> int:
         """In the main process, before a StreamLoader's iteration asks its workers: the iteration's
         `FirstOut` ticket (0: none), kept with the epoch and history it plays (`asked`)."""
+        self.attachments.check_epoch(self.state.epoch)
         ticket = self.first_out.begin() if self.first_out is not None else 0
         self.asked = Asked(ticket, self.state.epoch, self.state.history)
         return ticket
@@ -192,18 +196,20 @@ class ShardStream(IterableDataset):
         """The iteration's batches or samples from `position` on, which it keeps up to date."""
         info = get_worker_info() if self.split_workers else None
         self.skipped[1, world.worker] = 0  # this iteration's skips, counted afresh by each worker
-        if info is not None and self.decoder.progress is not None:
-            self.decoder.progress.start(world.worker)
+        if info is not None and (progress := self.stages.decoder.progress) is not None:
+            progress.start(world.worker)
         clock = self.times.clock()
         # Resuming inside a batch: its first rows are not decoded again, unless skips may have left out
         # some of them (then they are decoded and dropped: rows and samples no longer correspond).
-        exact = self.config.on_error == "raise"
-        made = self._batches(world, position.epoch, position.history, clock, ticket, position.batches,
-                             position.rows if exact else 0)
+        exact, budget = self.config.on_error == "raise", self.config.max_errors  # (skips allowed in the iteration)
+        if isinstance(budget, float):
+            budget = int(budget * self.rank_samples(position.history))
+        made = self.stages.batches(world, position if exact else dataclasses.replace(position, rows=0), clock, ticket,
+                                   budget)
         batches = self.times.timed(world.worker, clock, made)  # (each batch's making: its "active" time)
         try:
-            yield from hand_over(self._checked(batches), position, self.kind.unbatch if self.flatten else None,
-                                 0 if exact else position.rows)
+            yield from hand_over(self.stages.checked(batches, self.finished), position,
+                                 self.attachments.unbatch if self.flatten else None, 0 if exact else position.rows)
         except ShardstreamError as exc:
             if info is None or self.finished:
                 raise
@@ -211,49 +217,3 @@ class ShardStream(IterableDataset):
             yield WorkerError(exc)
         finally:
             batches.close()
-
-    def _checked(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """The batches (finished, for `make_stream_dataset`), each made only while no shard it may
-        touch was rewritten in place."""
-        while True:
-            problem = self.readers.lease_problem()
-            if problem is not None:
-                batches.close()  # (its samples read ahead)
-                raise problem
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            yield self.kind.finish(batch) if self.finished else batch
-
-    def _batches(self, world: World, epoch: int, history: tuple[Resume, ...], clock: Clock,
-                 ticket: tuple[FirstOut, int] | None, start: int = 0, rows: int = 0) -> Iterator[tuple[Any, int]]:
-        """plan -> schedule (locate, read ahead) -> decode -> collate: (batch, its samples), from the
-        plan's batch `start` on, less the first `rows` samples of that one."""
-        cfg = self.config
-        budget = cfg.max_errors  # skips allowed in this iteration of the rank
-        if isinstance(budget, float):
-            budget = int(budget * self.rank_samples(history))
-        plan = plan_epoch([s.sizes for s in self.sources], cfg.seed, epoch, world, batch_size=cfg.batch_size,
-                          drop_last=cfg.drop_last, shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=self.mix,
-                          history=history)
-        readers, opened = self.readers.get()
-        reads = SampleReads(self.sources, readers, cfg, clock)
-        try:
-            for batch, items, work in Schedule(self.kind.grouped, cfg, plan, reads, opened, ticket, (start, rows)):
-                with clock.stage("decode"):  # (the reads' waits and opens in it are theirs: `LoaderStats.of`)
-                    pieces, lost = self.decoder.decode(reads, opened, work, epoch, world.worker, budget, clock)
-                if not pieces and items:
-                    raise ShardError(f"all {items} samples of batch {batch} failed; ranks "
-                                     "cannot stay in step", url=self.sources[0].root)
-                if not pieces:  # (resumed after the last row of a batch)
-                    continue
-                self.decoder.note(world.worker, "collating")
-                with clock.stage("collate"):
-                    collated = self.decoder.collate(pieces, world.worker, epoch)
-                self.decoder.note(world.worker, "handing over a batch")
-                yield collated, items - lost
-            reads.settle()
-            self.decoder.note(world.worker, "done")
-        finally:
-            reads.close()

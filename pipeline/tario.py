@@ -22,7 +22,8 @@ from pipeline.checks import is_int_at_least
 from pipeline.errors import ConfigError, DatasetError, ShardError, excerpt
 from pipeline.format import check_key
 
-__all__ = ["BLOCK", "ArchiveMember", "ReadLimits", "ShardWriter", "parse_sample", "sample_members", "scan_archive"]
+__all__ = ["BLOCK", "ArchiveMember", "ReadLimits", "ShardWriter", "member_header", "parse_sample", "sample_members",
+           "scan_archive"]
 
 BLOCK = 512
 _END = b"\0" * (2 * BLOCK)
@@ -49,7 +50,8 @@ class ReadLimits:
                 raise ConfigError(f"{field.name} must be a positive int, got {value!r}")
 
 
-def _header(name: str, size: int) -> bytes:
+def member_header(name: str, size: int) -> bytes:
+    """The deterministic USTAR header of a regular-file member (mode 644, mtime 0)."""
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = size, 0o644, 0
     return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
@@ -82,7 +84,7 @@ class ShardWriter:
             if not _EXT_RE.fullmatch(ext):
                 raise ConfigError(f"invalid member extension {ext!r}")
             self.members[-1].append((ext, self.size, len(data)))
-            self._write(_header(f"{key}.{ext}", len(data)))
+            self._write(member_header(f"{key}.{ext}", len(data)))
             self._write(data)
             self._write(b"\0" * (-len(data) % BLOCK))
 

@@ -70,6 +70,10 @@ class Kind(Protocol):
     def check(self, batch: Any, epoch: int) -> list[str]:
         """Problems of a finished batch (keys, shapes, dtypes, ranges); none: []."""
 
+    def depends(self, inputs: frozenset[str] | None) -> tuple[bool, frozenset[str]]:
+        """Whether batch fields `inputs` (None: the whole sample) can change with the epoch, and the
+        options that shape them: what outputs computed from them are of (`pipeline.outputs`)."""
+
 
 KINDS: dict[str, type[Kind]] = {"sa1b": Sa1b, "vqa": Vqa, "embeddings": Embeddings, "webdataset": WebDataset}
 

@@ -26,7 +26,7 @@ from pipeline.format import (
     BFLOAT16, COLUMN_DTYPES, EMB_DATA, EMB_ROW, EMB_TABLE, Manifest, column_offsets, storage_dtype,
     unpack_columns,
 )
-from pipeline.kinds.schema import BatchField, problems
+from pipeline.kinds.schema import BatchField, every_option, problems
 from pipeline.stats import Clock
 
 __all__ = ["Field", "EmbeddingsOptions", "Block", "TORCH_DTYPES", "value_problem", "Embeddings"]
@@ -391,6 +391,9 @@ class Embeddings:
         """A finished batch's fields in `epoch`: `row` and the selected fields, B rows each."""
         return tuple(BatchField(name, TORCH_DTYPES[dtype], ("B", *shape)) for name, dtype, shape
                      in self.options.layout(epoch))
+
+    def depends(self, inputs: frozenset[str] | None) -> tuple[bool, frozenset[str]]:
+        return every_option(self.options, any(callable(value) for _, value in self.options.take))
 
     def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
         """What is wrong with a finished batch (empty if nothing): keys, dtypes and shapes (`fields`),

@@ -24,7 +24,7 @@ from pipeline.errors import ConfigError, SampleError, excerpt
 from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
                              encode_array, parse_json, storage_dtype, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
-from pipeline.kinds.sa1b_augment import augmented, check_augment, flips, view_of
+from pipeline.kinds.sa1b_augment import augmented, check_augment, depends, flips, view_of
 from pipeline.kinds.sa1b_prompts import (Draw, check_options, choose_masks, chosen_masks, prompt_columns,
                                          prompt_problems, prompts_of, streams)
 from pipeline.kinds.schema import BatchField, problems
@@ -177,9 +177,8 @@ def _value_problems(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> 
         found.append("boxes: outside the image frame or with x1 < x0 / y1 < y0")
     if ((batch["points"] < 0) | (batch["points"] > frame[..., :2])).any():
         found.append("points: outside the image frame")
-    for name in ("predicted_ious", "stability_scores"):
-        if ((batch[name] < 0) | (batch[name] > 1)).any():
-            found.append(f"{name}: values outside [0, 1]")
+    found += [f"{name}: values outside [0, 1]" for name in ("predicted_ious", "stability_scores")
+              if ((batch[name] < 0) | (batch[name] > 1)).any()]
     if (batch["areas"] < 0).any():
         found.append("areas: negative values")
     for name in ("boxes", "points", "areas", "predicted_ious", "stability_scores"):
@@ -212,6 +211,9 @@ class Sa1b:
 
     def open(self, members: dict[str, bytes], *, url: str, key: str, units: int) -> dict[str, bytes]:
         return members
+
+    def depends(self, inputs: frozenset[str] | None) -> tuple[bool, frozenset[str]]:
+        return depends(self.options, inputs)
 
     def decode(self, members: dict[str, bytes], *, unit: int = 0, seed: int, epoch: int, url: str, key: str,
                clock: Clock | None = None) -> dict[str, Any]:
@@ -302,8 +304,7 @@ class Sa1b:
             finished["point_coords"] = finished["point_coords"].unflatten(-1, (self.options.points_per_mask, 2))
         return finished
 
-    def _mask_columns(self) -> tuple[tuple[str, int], ...]:
-        """The per-mask columns of a batch in transit, with their widths: those of every batch, then the prompts'."""
+    def _mask_columns(self) -> tuple[tuple[str, int], ...]:  # (per-mask columns in transit, and widths)
         return _MASK_COLUMNS + prompt_columns(self.options)
 
     def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:

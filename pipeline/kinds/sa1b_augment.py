@@ -35,13 +35,26 @@ from pipeline.errors import ConfigError
 from pipeline.rle import Runs, affine_index, areas, crop, fit, foreground_pixels, nearest_index, tight_boxes
 from pipeline.seeds import Purpose
 
-__all__ = ["RESIZE_MODES", "MAX_SCALE", "check_augment", "frames", "flips", "flipped", "Shown", "View", "view_of",
-           "augmented"]
+__all__ = ["RESIZE_MODES", "MAX_SCALE", "IMAGE_FIELDS", "check_augment", "depends", "frames", "flips", "flipped",
+           "Shown", "View", "view_of", "augmented"]
 
 RESIZE_MODES = ("longest", "square")
 MAX_SCALE = 10.0  # scale_jitter's largest factor (an image decoded at 10 x image_size on a side)
 _BOXES = ("boxes", "prompt_boxes")  # XYXY in the image frame
 _POINTS = ("points", "point_coords")  # XY (last axis) in the image frame
+
+
+# A batch's fields that come of the image alone, and the options that shape them (`depends`).
+IMAGE_FIELDS = frozenset({"images", "image_sizes", "original_sizes", "image_ids", "keys"})
+_IMAGE_OPTIONS = frozenset({"image_size", "resize", "hflip", "scale_jitter", "max_image_pixels"})
+
+
+def depends(options: Any, inputs: frozenset[str] | None) -> tuple[bool, frozenset[str]]:
+    """`Kind.depends`: the image's fields change with the epoch only under augmentation, and only its
+    frame and augmentation shape them; masks and prompts are drawn afresh each epoch."""
+    if inputs is not None and inputs <= IMAGE_FIELDS:
+        return options.hflip > 0 or options.scale_jitter is not None, _IMAGE_OPTIONS
+    return True, frozenset(f.name for f in dataclasses.fields(options))
 
 
 def check_augment(options: Any) -> None:

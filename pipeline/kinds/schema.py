@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BatchField", "problems"]
+__all__ = ["BatchField", "every_option", "problems"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +65,9 @@ def _sizes(dims: tuple[int | str, ...], shape: tuple[int, ...], sizes: dict[str,
 def _text(dims: tuple[int | str, ...]) -> str:
     """A shape as a tuple prints it, names unquoted: (2, N, 64, 64)."""
     return f"({', '.join(map(str, dims))}{',' if len(dims) == 1 else ''})"
+
+
+def every_option(options: Any, varies: bool) -> tuple[bool, frozenset[str]]:
+    """`Kind.depends` for a kind whose fields are not told apart: every option shapes every field,
+    and they change with the epoch when `varies`."""
+    return varies, frozenset(f.name for f in dataclasses.fields(options))

@@ -36,7 +36,7 @@ from pipeline.format import (
 from pipeline.images import (
     MAX_IMAGE_PIXELS, QWEN2_VL_FACTOR, QWEN2_VL_MAX_PIXELS, QWEN2_VL_MIN_PIXELS, decode_image, smart_resize,
 )
-from pipeline.kinds.schema import BatchField, problems
+from pipeline.kinds.schema import BatchField, every_option, problems
 from pipeline.rle import fit
 from pipeline.stats import Clock
 
@@ -351,6 +351,9 @@ class Vqa:
             BatchField(_COUNT[self.options.per], torch.int64, ("B",)),
             *(BatchField(name, list, ("B",)) for name in LIST_FIELDS),
         )
+
+    def depends(self, inputs: frozenset[str] | None) -> tuple[bool, frozenset[str]]:
+        return every_option(self.options, False)  # (nothing in a VQA sample changes with the epoch)
 
     def check(self, batch: dict[str, Any], epoch: int) -> list[str]:
         """What is wrong with a finished batch (empty if nothing): keys, dtypes and shapes (`fields`),

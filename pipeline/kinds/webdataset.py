@@ -24,7 +24,7 @@ from torch.utils.data import default_collate
 
 from pipeline.collate import rows
 from pipeline.errors import ConfigError, SampleError, ShardstreamError
-from pipeline.kinds.schema import BatchField
+from pipeline.kinds.schema import BatchField, every_option
 from pipeline.stats import Clock
 
 __all__ = ["WebDataset", "WebDatasetOptions"]
@@ -113,6 +113,9 @@ class WebDataset:
     def fields(self, epoch: int) -> tuple[BatchField, ...]:
         """None declared: the user's collate decides what a batch holds."""
         return ()
+
+    def depends(self, inputs: frozenset[str] | None) -> tuple[bool, frozenset[str]]:
+        return every_option(self.options, False)  # (`decode` is not given the epoch)
 
     def check(self, batch: Any, epoch: int) -> list[str]:
         """None of its own: the user's functions decide what a batch holds."""

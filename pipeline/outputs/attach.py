@@ -1,0 +1,224 @@
+"""Attaching outputs at load time: `make_stream_loader(..., attach={"teacher": sidecar})` gives each
+batch the sidecar's field beside the samples it was computed from.
+
+Made in the main process (`Attachments.of`): each sidecar's manifest is read and compared with the
+loader (`of.refusal`: dataset, split, seed, kind options) and with every epoch the loader is set
+to (`check_epoch`). In each worker, for a batch's plan items (`locate`): the record of each, from
+its shard's item index (fetched when the shard is first touched, kept), is located as one more
+sample to read, in the same read-ahead, through the same readers (mapped local chunks, ranged
+reads or the shard cache); `take` checks it (its tar members named by the sample's key, a fixed
+field of its exact size) and `collate` copies the rows into the batch's shared buffers."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.collate import empty
+from pipeline.errors import ConfigError, DatasetError, SampleError
+from pipeline.format import Manifest, ShardInfo, unpack_record
+from pipeline.format.outputs import (
+    ALL_EPOCHS, OUTPUTS_NAME, FileRef, OutputField, OutputsManifest, epoch_folder, unpack_item_index,
+)
+from pipeline.index import Located, SplitIndex
+from pipeline.outputs.of import outputs_of, refusal
+from pipeline.storage import Retry, filesystem, join, read_range, shard_url, with_retries
+from pipeline.storage.reader import ShardReader
+
+__all__ = ["Attachments", "Sidecar"]
+
+_SOURCE_BITS = 40  # (source, item) of a record packed in one int: its `where`
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sidecar:
+    """One sidecar a loader reads: its place, manifest and the fields taken from it (batch name ->
+    the sidecar's field)."""
+
+    root: str
+    manifest: OutputsManifest
+    fields: tuple[tuple[str, OutputField], ...]
+
+    def folder(self, epoch: int) -> str:
+        return epoch_folder(epoch) if self.manifest.of["by_epoch"] else ALL_EPOCHS
+
+
+def _read_manifest(root: str, storage_options: dict[str, Any] | None, retry: Retry) -> OutputsManifest:
+    url = join(root, OUTPUTS_NAME)
+    fs, path = filesystem(url, storage_options)
+    try:
+        size = with_retries(retry, url, lambda: fs.size(path))
+    except FileNotFoundError as exc:
+        raise DatasetError("no outputs.json: not a sidecar, or one whose writing is not finished (its manifest is "
+                           "written when every rank's share of an epoch is)", url=root) from exc
+    if size > 64 << 20:
+        raise DatasetError(f"outputs.json is {size} bytes, more than a sidecar manifest may be", url=url)
+    return OutputsManifest.from_bytes(read_range(fs, path, url, 0, size, retry=retry), url)
+
+
+class Attachments:
+    """The sidecars a loader attaches (see the module docstring); `names`: the batch fields they add."""
+
+    def __init__(self, sidecars: Sequence[Sidecar], sources: Sequence[SplitIndex], kind: Any) -> None:
+        self.sidecars, self.sources, self.kind = tuple(sidecars), tuple(sources), kind
+        self.names = tuple(name for s in sidecars for name, _ in s.fields)
+        self._indexes: collections.OrderedDict[tuple[int, str, int, int], np.ndarray] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_indexes": collections.OrderedDict(), "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    @classmethod
+    def of(cls, attach: Mapping[str, str], manifests: Sequence[Manifest], split: str, kind: Any,
+           sources: Sequence[SplitIndex], seed: int, storage_options: dict[str, Any] | None,
+           retry: Retry) -> Attachments:
+        """The sidecars of `attach` (batch field -> sidecar place), each checked against the loader
+        (the epochs each holds: when the loader is set to one, `check_epoch`)."""
+        if not attach:
+            return cls((), sources, kind)
+        taken = {f.name for f in kind.fields(0)}
+        by_root: dict[str, list[str]] = {}
+        for name, root in attach.items():
+            if name in taken:
+                raise ConfigError(f"attach: {name!r} is a field the {manifests[0].kind} batch has already")
+            by_root.setdefault(root, []).append(name)
+        sidecars = []
+        for root, names in by_root.items():
+            manifest = _read_manifest(root, storage_options, retry)
+            here = outputs_of(manifests, split, kind, [int(s.sizes.sum()) for s in sources], seed,
+                              manifest.of.get("inputs"))
+            problem = refusal(manifest.of, here)
+            if problem:
+                raise ConfigError(f"attach: {root} holds outputs of other samples than this loader's: {problem}")
+            have = {f.name: f for f in manifest.fields}
+            missing = [n for n in names if n not in have]
+            if missing:
+                raise ConfigError(f"attach: {root} has no field {missing[0]!r}; it has {sorted(have)}")
+            sidecars.append(Sidecar(root, manifest, tuple((n, have[n]) for n in names)))
+        return cls(sidecars, sources, kind)
+
+    def check_epoch(self, epoch: int) -> None:
+        """Refuse an epoch a sidecar does not hold (in the main process, when the loader is set to it)."""
+        for sidecar in self.sidecars:
+            if sidecar.folder(epoch) not in sidecar.manifest.epochs:
+                held = sorted(int(f.split("-")[1]) for f in sidecar.manifest.epochs if f != ALL_EPOCHS)
+                raise ConfigError(f"attach: {sidecar.root} holds outputs of epochs {held}, not of epoch {epoch} "
+                                  "(its samples change with the epoch: write that epoch's outputs too)")
+
+    def readers(self, config: Any, cache: Any) -> list[ShardReader]:
+        """A reader per sidecar (in the process that reads), after the sources'."""
+        return [ShardReader(s.root, config.storage_options, config.retry, cache, None, config.index_cache_bytes)
+                for s in self.sidecars]
+
+    def _table(self, number: int, reader: ShardReader, folder: str, source: int, shard: int) -> np.ndarray:
+        """A shard's item index in a sidecar's epoch folder: fetched when first asked for, then kept."""
+        key = (number, folder, source, shard)
+        with self._lock:
+            if key in self._indexes:
+                self._indexes.move_to_end(key)
+                return self._indexes[key]
+        sidecar = self.sidecars[number]
+        chunks, indexes = sidecar.manifest.epochs[folder]
+        ref = indexes[source][shard]
+        url = shard_url(sidecar.root, ref.name)
+        data = bytes(reader.way(_info(ref)).read(0, ref.bytes))
+        if hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise DatasetError("item index does not match the SHA-256 its sidecar's manifest lists", url=url)
+        table = unpack_item_index(data, int(self.sources[source].sizes[shard]), chunks, url)
+        with self._lock:
+            self._indexes[key] = table
+            while len(self._indexes) > 256:
+                self._indexes.popitem(last=False)
+        return table
+
+    def locate(self, readers: Sequence[ShardReader], epoch: int, sources: np.ndarray, items: np.ndarray,
+               keys: Sequence[str]) -> list[tuple[Located, ...]]:
+        """Each row's records (a batch's plan items, in the batch's row order, with their samples' keys):
+        one per sidecar, as samples to read (their `where` after the sources')."""
+        first = len(self.sources)
+        rows: list[list[Located]] = [[] for _ in keys]
+        for number, sidecar in enumerate(self.sidecars):
+            folder, reader = sidecar.folder(epoch), readers[first + number]
+            chunks = sidecar.manifest.epochs[folder][0]
+            for row, (source, item, key) in enumerate(zip(sources.tolist(), items.tolist(), keys)):
+                index = self.sources[source]
+                shard = int(index.shards_of(np.array([item]))[0])
+                chunk, start, end = self._table(number, reader, folder, source, shard)[item - index.first_item[shard]]
+                ref = chunks[int(chunk)]
+                rows[row].append(Located((first + number, source << _SOURCE_BITS | item), _info(ref),
+                                         shard_url(sidecar.root, ref.name), key, 1, ((int(start), int(end), None),)))
+        return [tuple(r) for r in rows]
+
+    def take(self, reads: Any, records: tuple[Located, ...]) -> dict[str, Any]:
+        """One row's attached values (fixed fields as their raw bytes), checked: a record holds exactly
+        its sidecar's fields, named by the sample's key."""
+        values: dict[str, Any] = {}
+        for sidecar, record in zip(self.sidecars, records):
+            members, _ = reads.take(record)
+            reads.done(record)
+            have = {f.name for f in sidecar.manifest.fields}
+            if set(members) != have:
+                raise SampleError(f"record holds {sorted(members)}, the sidecar's fields are {sorted(have)}",
+                                  url=record.url, key=record.key)
+            for name, field in sidecar.fields:
+                data = members[field.name]
+                if field.fixed:
+                    if len(data) != field.nbytes:
+                        raise SampleError(f"{len(data)} bytes, {field.describe()} is {field.nbytes}", url=record.url,
+                                          key=record.key, field=field.name)
+                    values[name] = np.frombuffer(data, np.uint8)
+                else:
+                    record_map = unpack_record(bytes(data))
+                    if set(record_map) != {"v"}:
+                        raise SampleError("not an output value (want a map {v: value})", url=record.url,
+                                          key=record.key, field=field.name)
+                    values[name] = record_map["v"]
+        return values
+
+    def collate(self, rows: Sequence[dict[str, Any]], batch: Any) -> None:
+        """The rows' attached values into the batch in transit (fixed fields: one tensor each)."""
+        if not isinstance(batch, dict):
+            raise ConfigError(f"attach needs batches that are dicts; this kind's are {type(batch).__name__}s")
+        for sidecar in self.sidecars:
+            for name, field in sidecar.fields:
+                if not field.fixed:
+                    batch[name] = [row[name] for row in rows]
+                    continue
+                assert field.shape is not None and field.dtype is not None
+                out = empty((len(rows), *field.shape), getattr(torch, field.dtype))
+                flat = out.view(len(rows), -1).view(torch.uint8).numpy() if out.numel() else None
+                for i, row in enumerate(rows):
+                    if flat is not None:
+                        flat[i] = row[name]
+                batch[name] = out
+
+    def finish(self, batch: Any) -> Any:
+        """A batch in transit -> the batch users get: the kind's, with the attached fields."""
+        if not self.names:
+            return self.kind.finish(batch)
+        attached = {name: batch.pop(name) for name in self.names}
+        finished = self.kind.finish(batch)
+        finished.update(attached)
+        return finished
+
+    def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """A finished batch's samples, with their attached values."""
+        attached = {name: batch.pop(name) for name in self.names}
+        samples = self.kind.unbatch(batch)
+        for i, sample in enumerate(samples):
+            sample.update((name, values[i]) for name, values in attached.items())
+        return samples
+
+
+def _info(ref: FileRef) -> ShardInfo:
+    return ShardInfo(ref.name, 0, 0, ref.bytes, ref.sha256, None)
