@@ -303,3 +303,21 @@ def test_item_index_with_a_record_outside_its_chunks_is_refused(sa1b_dataset: st
                                 attach={"teacher": str(out)})
     with pytest.raises(ShardstreamError, match="outside the chunks"):
         next(iter(loader))
+
+
+def test_rows_of_a_kind_without_keys_get_their_own_outputs(emb: str, tmp_path: pathlib.Path) -> None:
+    """Embeddings: rows grouped by block in a batch, no keys; each record is named by its plan item."""
+    out = str(tmp_path / "emb")
+    loader = make_stream_loader(emb, "train", batch_size=5, drop_last=False, seed=1)
+    with OutputWriter(out, loader) as writer:
+        for batch in loader:
+            writer.write(None, {"double": (batch["x"] * 2).numpy(), "tag": [f"row {r}" for r in batch["row"].tolist()]})
+    for workers, batch_size in ((0, 4), (2, 3)):
+        student = make_stream_loader(emb, "train", batch_size=batch_size, drop_last=False, seed=1,
+                                     num_workers=workers, attach={"double": out, "tag": out})
+        rows = []
+        for batch in student:
+            assert torch.equal(batch["double"], batch["x"] * 2)
+            assert batch["tag"] == [f"row {r}" for r in batch["row"].tolist()]
+            rows += batch["row"].tolist()
+        assert sorted(rows) == list(range(23))

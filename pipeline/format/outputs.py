@@ -9,7 +9,9 @@ A sidecar is a folder (or object-storage prefix) beside nothing: it names the da
   "all", where the samples do not change with the epoch) its chunks and per-shard indexes.
 - `<epoch>/r<rank>-<n>.tar`: a writing rank's chunks, each a run of records in the order written;
   a record is one tar member `<key>.<field>` per field: the raw little-endian bytes of a fixed field
-  (its dtype and shape in the manifest), a msgpack map `{"v": value}` of a variable one.
+  (its dtype and shape in the manifest), a msgpack map `{"v": value}` of a variable one. The key is
+  the sample's, or where the writer was given none (`keyed` false: embeddings rows have no keys)
+  `x<source>-<plan item>` (`record_key`).
 - `<epoch>/r<rank>-<n>.json` (`Commit`): the chunk's size, SHA-256, records (source, plan item,
   start, end) and the writing loader's state after it; a chunk counts only once its commit exists.
 - `<epoch>/index/s<source>-<shard>.idx`: per shard of each source, the record of each plan item
@@ -34,7 +36,7 @@ from pipeline.errors import ConfigError, DatasetError
 
 __all__ = ["OUTPUTS_NAME", "OUTPUTS_FORMAT", "OUTPUTS_VERSION", "OUTPUT_DTYPES", "ALL_EPOCHS", "OutputField",
            "Commit", "OutputsManifest", "FileRef", "epoch_folder", "chunk_name", "commit_name", "item_index_name",
-           "pack_item_index", "unpack_item_index", "check_field_name"]
+           "pack_item_index", "unpack_item_index", "check_field_name", "record_key"]
 
 OUTPUTS_NAME = "outputs.json"
 OUTPUTS_FORMAT = "shardstream-outputs"
@@ -52,6 +54,11 @@ def check_field_name(name: str) -> str:
         raise ConfigError(f"output field name {name!r}: want 1-32 lowercase letters and digits, starting with a "
                           "letter (it names the records' tar members, <key>.<field>)")
     return name
+
+
+def record_key(key: str, source: int, item: int, keyed: bool) -> str:
+    """The name a record's members carry: its sample's key, or (`keyed` false) its plan item's."""
+    return key if keyed else f"x{source}-{item}"
 
 
 def epoch_folder(epoch: int | None) -> str:
@@ -146,10 +153,11 @@ class Commit:
     batches: int
     state: dict[str, Any]
     fields: tuple[OutputField, ...]
+    keyed: bool
     last: bool
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"rank": self.rank, "world_size": self.world_size, "number": self.number,
+        return json.dumps({"rank": self.rank, "world_size": self.world_size, "number": self.number, "keyed": self.keyed,
                            "bytes": self.bytes, "sha256": self.sha256,
                            "records": base64.b64encode(np.ascontiguousarray(self.records, "<i8").tobytes()).decode(),
                            "batches": self.batches, "state": self.state,
@@ -163,7 +171,7 @@ class Commit:
             records = np.frombuffer(base64.b64decode(obj["records"], validate=True), "<i8").reshape(-1, 4)
             return cls(int(obj["rank"]), int(obj["world_size"]), int(obj["number"]), int(obj["bytes"]),
                        str(obj["sha256"]), records, int(obj["batches"]), dict(obj["state"]),
-                       tuple(OutputField.from_json(f) for f in obj["fields"]), bool(obj["last"]))
+                       tuple(OutputField.from_json(f) for f in obj["fields"]), bool(obj["keyed"]), bool(obj["last"]))
         except (ValueError, KeyError, TypeError, binascii.Error) as exc:
             raise DatasetError(f"not a commit of the outputs writer: {exc}", url=url) from exc
 
@@ -176,6 +184,7 @@ class OutputsManifest:
 
     of: dict[str, Any]
     fields: tuple[OutputField, ...]
+    keyed: bool  # records named by their samples' keys (else by their plan items: `record_key`)
     epochs: dict[str, tuple[tuple[FileRef, ...], tuple[tuple[FileRef, ...], ...]]]
 
     def field(self, name: str) -> OutputField:
@@ -189,7 +198,7 @@ class OutputsManifest:
                                                                                for source in indexes]}
                   for folder, (chunks, indexes) in sorted(self.epochs.items())}
         return json.dumps({"format": OUTPUTS_FORMAT, "version": OUTPUTS_VERSION, "of": self.of,
-                           "fields": [f.to_json() for f in self.fields], "epochs": epochs},
+                           "fields": [f.to_json() for f in self.fields], "keyed": self.keyed, "epochs": epochs},
                           sort_keys=True, indent=1).encode()
 
     @classmethod
@@ -211,7 +220,8 @@ class OutputsManifest:
                 epochs[folder] = (tuple(FileRef.from_json(c, folder) for c in entry["chunks"]),
                                   tuple(tuple(FileRef.from_json(i, folder) for i in source)
                                         for source in entry["indexes"]))
-            return cls(dict(obj["of"]), tuple(OutputField.from_json(f) for f in obj["fields"]), epochs)
+            return cls(dict(obj["of"]), tuple(OutputField.from_json(f) for f in obj["fields"]), bool(obj["keyed"]),
+                       epochs)
         except (KeyError, TypeError, AttributeError, DatasetError) as exc:
             raise DatasetError(f"invalid sidecar manifest: {exc}", url=url) from exc
 

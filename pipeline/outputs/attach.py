@@ -25,7 +25,7 @@ from pipeline.collate import empty
 from pipeline.errors import ConfigError, DatasetError, SampleError
 from pipeline.format import Manifest, ShardInfo, unpack_record
 from pipeline.format.outputs import (
-    ALL_EPOCHS, OUTPUTS_NAME, FileRef, OutputField, OutputsManifest, epoch_folder, unpack_item_index,
+    ALL_EPOCHS, OUTPUTS_NAME, FileRef, OutputField, OutputsManifest, epoch_folder, record_key, unpack_item_index,
 )
 from pipeline.index import Located, SplitIndex
 from pipeline.outputs.of import outputs_of, refusal
@@ -155,8 +155,9 @@ class Attachments:
                 shard = int(index.shards_of(np.array([item]))[0])
                 chunk, start, end = self._table(number, reader, folder, source, shard)[item - index.first_item[shard]]
                 ref = chunks[int(chunk)]
+                name = record_key(key, source, item, sidecar.manifest.keyed)
                 rows[row].append(Located((first + number, source << _SOURCE_BITS | item), _info(ref),
-                                         shard_url(sidecar.root, ref.name), key, 1, ((int(start), int(end), None),)))
+                                         shard_url(sidecar.root, ref.name), name, 1, ((int(start), int(end), None),)))
         return [tuple(r) for r in rows]
 
     def take(self, reads: Any, records: tuple[Located, ...]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -30,12 +31,13 @@ from pipeline.errors import ConfigError, DatasetError
 from pipeline.format import check_key, pack_record
 from pipeline.format.outputs import (
     OUTPUT_DTYPES, OUTPUTS_NAME, Commit, FileRef, OutputField, OutputsManifest, check_field_name, chunk_name,
-    commit_name, epoch_folder, item_index_name, pack_item_index,
+    commit_name, epoch_folder, item_index_name, pack_item_index, record_key,
 )
+from pipeline.index import locate, row_order
 from pipeline.loader import StreamLoader
 from pipeline.outputs.of import outputs_of, refusal
 from pipeline.plan import World, plan_epoch, rank_sample_count
-from pipeline.storage import Retry, filesystem, is_local, join, with_retries, write_bytes
+from pipeline.storage import Retry, ShardReader, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import BLOCK, member_header
 
 __all__ = ["OutputWriter", "finish_epoch"]
@@ -117,21 +119,22 @@ class _Chunks:
             data += b"\0" * (-len(value) % BLOCK)
         self.records.append((source, item, start, len(data)))
 
-    def commit(self, state: dict[str, Any], fields: tuple[OutputField, ...], last: bool) -> None:
-        """The chunk in progress, committed with the loader's `state` after its last batch."""
+    def commit(self, state: dict[str, Any], schema: tuple[tuple[OutputField, ...], bool], last: bool) -> None:
+        """The chunk in progress, committed with the loader's `state` after its last batch; `schema`:
+        the fields, and whether records are named by their samples' keys."""
         data, records = self.data, np.array(self.records, dtype=np.int64).reshape(-1, 4)
         self.data, self.records = bytearray(), []
         self.wait()
-        self._pending = self._thread.submit(self._store, data, self.number, records, state, fields, last)
+        self._pending = self._thread.submit(self._store, data, self.number, records, state, schema, last)
         self.number += 1
 
     def _store(self, data: bytearray, number: int, records: np.ndarray, state: dict[str, Any],
-               fields: tuple[OutputField, ...], last: bool) -> None:
+               schema: tuple[tuple[OutputField, ...], bool], last: bool) -> None:
         data += _END
         digest = hashlib.sha256(data).hexdigest()
         _write(self.fs, join(self.base, chunk_name(self.folder, self.rank, number)), data, self.retry)
         batches = int(sum(n for _, n in state["history"]))  # (the rank's, with this chunk's)
-        commit = Commit(self.rank, self.world_size, number, len(data), digest, records, batches, state, fields, last)
+        commit = Commit(self.rank, self.world_size, number, len(data), digest, records, batches, state, *schema, last)
         write_bytes(self.fs, join(self.base, commit_name(self.folder, self.rank, number)), commit.to_bytes(),
                     self.retry)
 
@@ -187,10 +190,12 @@ class OutputWriter:
         self.fs, self.base = filesystem(out, storage_options if storage_options is not None else config.storage_options)
         self.rank, self.world_size = stream.rank, ws
         self.fields: tuple[OutputField, ...] | None = None
+        self.keyed: bool | None = None  # records named by their samples' keys (given to `write`)
         self.folder = ""
         self.batches = self.share = 0  # the rank's batches written, and of the epoch
         self.plan: Sequence[Any] = ()
         self._chunks: _Chunks | None = None
+        self._readers: list[ShardReader] = []  # the sources' shard indexes, for a grouped kind's rows
 
     def manifest(self) -> OutputsManifest | None:
         """The sidecar's manifest, if it has one yet."""
@@ -209,7 +214,7 @@ class OutputWriter:
         self.folder = epoch_folder(self.loader.epoch if self.of["by_epoch"] else None)
         self.share = stream.batches(())
         if manifest is not None and self.folder in manifest.epochs:  # (complete: the loop has nothing to do)
-            self.fields, self.batches = manifest.fields, self.share
+            self.fields, self.keyed, self.batches = manifest.fields, manifest.keyed, self.share
             self.loader.load_state_dict({**self.loader.state_dict(), "history": [[self.world_size, self.share]]})
             log.info("%s: %s is complete; nothing to write", self.out, self.folder)
             self._chunks = _Chunks(self, 0)
@@ -220,7 +225,7 @@ class OutputWriter:
             if last.world_size != self.world_size:
                 raise ConfigError(f"{self.out}: {self.folder} was being written by {last.world_size} ranks; finish it "
                                   f"with {last.world_size} (this job has {self.world_size}), or write elsewhere")
-            self.fields, self.batches = last.fields, last.batches
+            self.fields, self.keyed, self.batches = last.fields, last.keyed, last.batches
             self.loader.load_state_dict(last.state)
             log.info("%s: rank %d resumes %s after %d of its %d batches", self.out, self.rank, self.folder,
                      self.batches, self.share)
@@ -239,8 +244,9 @@ class OutputWriter:
         self._chunks = _Chunks(self, len(commits))
         return self
 
-    def write(self, keys: Sequence[str], outputs: Mapping[str, Any]) -> None:
-        """The outputs of the batch the loader handed over last: `keys` its `batch["keys"]`, `outputs`
+    def write(self, keys: Sequence[str] | None, outputs: Mapping[str, Any]) -> None:
+        """The outputs of the batch the loader handed over last: `keys` its `batch["keys"]` (checked
+        against each sample's key when attached; None for a kind without keys, embeddings), `outputs`
         {field: a (B, ...) tensor or array of a fixed dtype, or a list of B values of any msgpack data}."""
         chunks = self._chunks
         if chunks is None:
@@ -255,19 +261,25 @@ class OutputWriter:
                               f"over {taken} batches of epoch {state['epoch']}, and {self.batches} of "
                               f"{self.folder} are written")
         _, sources, items = self.plan[self.batches]
-        keys = list(keys)
+        if self.loader.stream.kind.grouped:  # (a batch's rows grouped by sample: `index.row_order`)
+            sources, items = _in_rows(self.loader.stream, self._readers, sources, items)
+        keyed, keys = keys is not None, list(keys) if keys is not None else [""] * len(items)
         if len(keys) != len(items):
             raise ConfigError(f"write: {len(keys)} keys for a batch of {len(items)} samples")
         fields, columns = _columns(outputs, len(keys))
         if self.fields is None:
-            self.fields = fields
+            self.fields, self.keyed = fields, keyed
         elif fields != self.fields:
             raise ConfigError(f"write: outputs {_shown(fields)}; earlier batches had {_shown(self.fields)}")
+        elif keyed != self.keyed:
+            raise ConfigError(f"write: keys {'given' if keyed else 'None'}; earlier batches were written "
+                              f"{'with' if self.keyed else 'without'} them")
         for i, key in enumerate(keys):
-            chunks.add(check_key(key), int(sources[i]), int(items[i]), [(f.name, columns[f.name][i]) for f in fields])
+            name = record_key(check_key(key) if keyed else key, int(sources[i]), int(items[i]), keyed)
+            chunks.add(name, int(sources[i]), int(items[i]), [(f.name, columns[f.name][i]) for f in fields])
         self.batches += 1
         if len(chunks.data) >= self.chunk_bytes or self.batches == self.share:
-            chunks.commit(state, fields, self.batches == self.share)
+            chunks.commit(state, (fields, keyed), self.batches == self.share)
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
         chunks, self._chunks = self._chunks, None
@@ -301,6 +313,24 @@ class OutputWriter:
                          required=together)
         if together:
             dist.barrier()
+
+
+def _in_rows(stream: Any, readers: list[ShardReader], sources: np.ndarray,
+             items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A grouped kind's plan batch in the order of the batch's rows (each sample's units together,
+    `index.row_order`): the samples of its items from their shards' indexes (fetched once, kept)."""
+    if not readers:
+        cfg = stream.config
+        readers += [ShardReader(s.root, cfg.storage_options, cfg.retry, None, None, cfg.index_cache_bytes,
+                                cfg.allowed_roots) for s in stream.sources]
+    samples = np.empty_like(items)
+    for number in np.unique(sources).tolist():
+        mine, source = sources == number, stream.sources[number]
+        shards = np.unique(source.shards_of(items[mine])).tolist()
+        starts = {i: readers[number].index(source.split[i]).unit_starts for i in shards}
+        samples[mine] = locate(source, items[mine], starts)[0]
+    rows = row_order(sources, samples, True)
+    return sources[rows], items[rows]
 
 
 def _shown(fields: Sequence[OutputField]) -> str:
@@ -376,8 +406,9 @@ def finish_epoch(out: str, folder: str, of: dict[str, Any], sources: Sequence[An
             raise DatasetError(f"{folder}: not every rank's share is committed ({sorted(ranks)} of {world})", url=out)
         return False
     commits = [c for r in sorted(ranks) for c in ranks[r]]
-    if len({c.fields for c in commits}) != 1:
-        raise DatasetError(f"{folder}: ranks wrote different output fields", url=out)
+    if len({(c.fields, c.keyed) for c in commits}) != 1:
+        raise DatasetError(f"{folder}: ranks wrote different output fields, or some with keys and some without",
+                           url=out)
     chunks = tuple(FileRef(chunk_name(folder, c.rank, c.number), c.bytes, c.sha256) for c in commits)
     tables = [np.full((int(s.sizes.sum()), 3), -1, dtype=np.int64) for s in sources]
     seen = [np.zeros(len(t), dtype=np.int64) for t in tables]
@@ -402,12 +433,12 @@ def finish_epoch(out: str, folder: str, of: dict[str, Any], sources: Sequence[An
     data = None
     with contextlib.suppress(FileNotFoundError):
         data = fs.cat_file(join(base, OUTPUTS_NAME))
-    manifest = OutputsManifest(of, commits[0].fields, {}) if data is None else \
+    manifest = OutputsManifest(of, commits[0].fields, commits[0].keyed, {}) if data is None else \
         OutputsManifest.from_bytes(data, join(out, OUTPUTS_NAME))
-    if manifest.fields != commits[0].fields:
+    if (manifest.fields, manifest.keyed) != (commits[0].fields, commits[0].keyed):
         raise DatasetError(f"{folder}: fields {_shown(commits[0].fields)}, the sidecar's other epochs have "
-                           f"{_shown(manifest.fields)}", url=out)
+                           f"{_shown(manifest.fields)} (or were written with keys where these were not)", url=out)
     epochs = {**manifest.epochs, folder: (chunks, tuple(indexes))}
-    write_bytes(fs, join(base, OUTPUTS_NAME), OutputsManifest(manifest.of, manifest.fields, epochs).to_bytes(), retry)
+    write_bytes(fs, join(base, OUTPUTS_NAME), dataclasses.replace(manifest, epochs=epochs).to_bytes(), retry)
     log.info("%s: %s finished: %d chunks, %d bytes", out, folder, len(chunks), sum(c.bytes for c in chunks))
     return True
