@@ -188,6 +188,7 @@ class ShardStream(IterableDataset):
         asked, self.asked = self.asked, None
         fresh = self._fresh() if asked is None else Position(asked.epoch, asked.history, world.worker,
                                                               world.num_workers)
+        self.attachments.check_epoch(fresh.epoch)  # (for a DataLoader of another's: set_epoch checks ours)
         number = asked.ticket if asked is not None else self.first_out.current() if self.first_out else 0
         ticket = None if self.first_out is None else (self.first_out, number)
         return self._yield(world, self.place.start(fresh, self.state, self.batches), ticket)

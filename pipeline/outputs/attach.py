@@ -29,7 +29,7 @@ from pipeline.format.outputs import (
 )
 from pipeline.index import Located, SplitIndex
 from pipeline.outputs.of import outputs_of, refusal
-from pipeline.storage import Retry, filesystem, join, read_range, shard_url, with_retries
+from pipeline.storage import Retry, filesystem, join, read_range, release_pages, shard_url, with_retries
 from pipeline.storage.reader import ShardReader
 
 __all__ = ["Attachments", "Sidecar"]
@@ -150,19 +150,27 @@ class Attachments:
         for number, sidecar in enumerate(self.sidecars):
             folder, reader = sidecar.folder(epoch), readers[first + number]
             chunks = sidecar.manifest.epochs[folder][0]
-            for row, (source, item, key) in enumerate(zip(sources.tolist(), items.tolist(), keys)):
+            found = np.empty((len(items), 3), dtype=np.int64)  # each row's (chunk, start, end)
+            for source in np.unique(sources).tolist():
+                mine = np.flatnonzero(sources == source)
                 index = self.sources[source]
-                shard = int(index.shards_of(np.array([item]))[0])
-                chunk, start, end = self._table(number, reader, folder, source, shard)[item - index.first_item[shard]]
-                ref = chunks[int(chunk)]
-                name = record_key(key, source, item, sidecar.manifest.keyed)
+                shards = index.shards_of(items[mine])
+                for shard in np.unique(shards).tolist():
+                    at = mine[shards == shard]
+                    found[at] = self._table(number, reader, folder, source, shard)[items[at] - index.first_item[shard]]
+            for row, (source, item, key, (chunk, start, end)) in enumerate(zip(sources.tolist(), items.tolist(), keys,
+                                                                              found.tolist())):
+                ref = chunks[chunk]
                 rows[row].append(Located((first + number, source << _SOURCE_BITS | item), _info(ref),
-                                         shard_url(sidecar.root, ref.name), name, 1, ((int(start), int(end), None),)))
+                                         shard_url(sidecar.root, ref.name), record_key(key, source, item,
+                                                                                      sidecar.manifest.keyed),
+                                         1, ((start, end, None),)))
         return [tuple(r) for r in rows]
 
     def take(self, reads: Any, records: tuple[Located, ...]) -> dict[str, Any]:
-        """One row's attached values (fixed fields as their raw bytes), checked: a record holds exactly
-        its sidecar's fields, named by the sample's key."""
+        """One row's attached values (fixed fields as views of their raw bytes: copied, and their mapped
+        pages released, by `collate`), checked: a record holds exactly its sidecar's fields, named by
+        the sample's key."""
         values: dict[str, Any] = {}
         for sidecar, record in zip(self.sidecars, records):
             members, _ = reads.take(record)
@@ -177,7 +185,7 @@ class Attachments:
                     if len(data) != field.nbytes:
                         raise SampleError(f"{len(data)} bytes, {field.describe()} is {field.nbytes}", url=record.url,
                                           key=record.key, field=field.name)
-                    values[name] = np.frombuffer(data, np.uint8)
+                    values[name] = data
                 else:
                     record_map = unpack_record(bytes(data))
                     if set(record_map) != {"v"}:
@@ -200,7 +208,8 @@ class Attachments:
                 flat = out.view(len(rows), -1).view(torch.uint8).numpy() if out.numel() else None
                 for i, row in enumerate(rows):
                     if flat is not None:
-                        flat[i] = row[name]
+                        flat[i] = np.frombuffer(row[name], np.uint8)
+                    release_pages(row[name])  # (a mapped chunk's: out of this process's memory)
                 batch[name] = out
 
     def finish(self, batch: Any) -> Any:
