@@ -239,7 +239,7 @@ class OutputWriter:
                     os.unlink(join(self.base, f"{self.folder}/{name}"))
         cfg = self.loader.config
         self.plan = plan_epoch([s.sizes for s in stream.sources], cfg.seed, self.loader.epoch,
-                               World(self.rank, self.world_size), batch_size=cfg.batch_size, drop_last=False,
+                               World(self.rank, self.world_size), batch_size=cfg.batch_size, drop_last=cfg.drop_last,
                                shuffle=cfg.shuffle, window=cfg.shuffle_window, mix=stream.mix)
         self._chunks = _Chunks(self, len(commits))
         return self
