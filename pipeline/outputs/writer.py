@@ -40,7 +40,7 @@ from pipeline.plan import World, plan_epoch, rank_sample_count
 from pipeline.storage import Retry, ShardReader, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import BLOCK, member_header
 
-__all__ = ["OutputWriter", "finish_epoch"]
+__all__ = ["OutputWriter", "committed", "finish_epoch", "read_outputs"]
 
 log = logging.getLogger(__name__)
 _END = b"\0" * (2 * BLOCK)
@@ -197,18 +197,9 @@ class OutputWriter:
         self._chunks: _Chunks | None = None
         self._readers: list[ShardReader] = []  # the sources' shard indexes, for a grouped kind's rows
 
-    def manifest(self) -> OutputsManifest | None:
-        """The sidecar's manifest, if it has one yet."""
-        url = join(self.out, OUTPUTS_NAME)
-        try:
-            data = with_retries(self.retry, url, lambda: self.fs.cat_file(join(self.base, OUTPUTS_NAME)))
-        except FileNotFoundError:
-            return None
-        return OutputsManifest.from_bytes(data, url)
-
     def __enter__(self) -> OutputWriter:
         stream = self.loader.stream
-        manifest = self.manifest()
+        manifest = read_outputs(self.fs, self.base, self.out, self.retry)
         if manifest is not None and (problem := refusal(manifest.of, self.of)):
             raise ConfigError(f"{self.out} holds outputs of other samples than this loader's: {problem}")
         self.folder = epoch_folder(self.loader.epoch if self.of["by_epoch"] else None)
@@ -356,6 +347,17 @@ def _write(fs: Any, path: str, data: bytearray, retry: Retry) -> None:
         raise
 
 
+def read_outputs(fs: Any, base: str, out: str, retry: Retry) -> OutputsManifest | None:
+    """A sidecar's manifest, if it has one yet. (A function of the filesystem alone: fsspec keeps the
+    FileNotFoundError of an absent one in a cycle with its frames, which must not hold a loader.)"""
+    url, path = join(out, OUTPUTS_NAME), join(base, OUTPUTS_NAME)
+    try:
+        data = with_retries(retry, url, lambda: fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+    return OutputsManifest.from_bytes(data, url)
+
+
 def _names(fs: Any, path: str) -> list[str]:
     with contextlib.suppress(AttributeError):
         fs.invalidate_cache(path)  # (s3fs, gcsfs and adlfs keep listings)
@@ -430,11 +432,7 @@ def finish_epoch(out: str, folder: str, of: dict[str, Any], sources: Sequence[An
             write_bytes(fs, join(base, name), data, retry)
             refs.append(FileRef(name, len(data), hashlib.sha256(data).hexdigest()))
         indexes.append(tuple(refs))
-    data = None
-    with contextlib.suppress(FileNotFoundError):
-        data = fs.cat_file(join(base, OUTPUTS_NAME))
-    manifest = OutputsManifest(of, commits[0].fields, commits[0].keyed, {}) if data is None else \
-        OutputsManifest.from_bytes(data, join(out, OUTPUTS_NAME))
+    manifest = read_outputs(fs, base, out, retry) or OutputsManifest(of, commits[0].fields, commits[0].keyed, {})
     if (manifest.fields, manifest.keyed) != (commits[0].fields, commits[0].keyed):
         raise DatasetError(f"{folder}: fields {_shown(commits[0].fields)}, the sidecar's other epochs have "
                            f"{_shown(manifest.fields)} (or were written with keys where these were not)", url=out)
