@@ -1,8 +1,9 @@
 """`shard-pack`: pack datasets into shards (a subcommand per packing kind), index original archives
-in place (`index KIND`), read them back (`inspect`, `verify`), measure and draw them as the loader
-reads them (`tune`, `preview`), and bring older datasets to the current schema (`upgrade`). The
-kinds' subcommands and flags come from the registry (`shard_tools.kinds`); the flags several
-subcommands share are parent parsers in `shard_tools.flags`.
+in place (`index KIND`), read them back (`inspect`, `verify`; also a sidecar of outputs, written by
+`pipeline.OutputWriter`), measure and draw them as the loader reads them (`tune`, `preview`), and
+bring older datasets to the current schema (`upgrade`). The kinds' subcommands and flags come from
+the registry (`shard_tools.kinds`); the flags several subcommands share are parent parsers in
+`shard_tools.flags`.
 
 Exit codes: 0 done; 1 the data has problems (no sample to pack or index, too many skipped inputs,
 an input that is not what it says: a `.tar` that is not a tar archive, annotations that are not
@@ -26,11 +27,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from pipeline.errors import InputError, ShardstreamError
+from pipeline.errors import ConfigError, InputError, ShardstreamError
 from pipeline.storage import read_manifest
 from shard_tools.flags import Command, Subparsers, allow, fractions, quiet, storage, summary, workers
 from shard_tools.index import index_archives
 from shard_tools.kinds import KINDS, KindOption
+from shard_tools.outputs import describe_sidecar, is_sidecar, verify_sidecar
 from shard_tools.pack import TooManySkipped, parse_splits
 from shard_tools.preview import preview, write_png
 from shard_tools.tune import WITHIN, TuneError, default_workers, plot, tune
@@ -112,31 +114,49 @@ def _index(args: argparse.Namespace) -> int:
                                   dask=args.dask, storage_options=args.storage_options))
 
 
-def _dataset(sub: Subparsers, name: str, parents: list[argparse.ArgumentParser],
+def _dataset(sub: Subparsers, name: str, parents: list[argparse.ArgumentParser], *, out: str = "dataset folder or URL",
              **kwargs: Any) -> argparse.ArgumentParser:
-    """The parser of a subcommand that reads a dataset: OUT."""
+    """The parser of a subcommand that reads a dataset: OUT (`out`: its help)."""
     p = sub.add_parser(name, parents=parents, **kwargs)
-    p.add_argument("out", metavar="OUT", help="dataset folder or URL")
+    p.add_argument("out", metavar="OUT", help=out)
     return p
 
 
+_OR_SIDECAR = "dataset folder or URL, or a sidecar of outputs (pipeline.OutputWriter's)"
+
+
 def _add_inspect(sub: Subparsers, name: str) -> argparse.ArgumentParser:
-    return _dataset(sub, name, [storage()], help="print a dataset's manifest summary")
+    return _dataset(sub, name, [storage()], out=_OR_SIDECAR, help="print a dataset's manifest summary (of a sidecar "
+                    "of outputs: what it is of, its fields, and each epoch, complete or each rank's commits)")
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    print("\n".join(describe(read_manifest(args.out, args.storage_options), args.out)))
+    if is_sidecar(args.out, args.storage_options):
+        print("\n".join(describe_sidecar(args.out, args.storage_options)))
+    else:
+        print("\n".join(describe(read_manifest(args.out, args.storage_options), args.out)))
     return 0
 
 
 def _add_verify(sub: Subparsers, name: str) -> argparse.ArgumentParser:
-    return _dataset(sub, name, [quiet(), storage(), allow()],
-                    help="check every shard's checksum and index, and decode every sample")
+    p = _dataset(sub, name, [quiet(), storage(), allow()], out=_OR_SIDECAR,
+                 help="check every shard's checksum and index, and decode every sample (of a sidecar of outputs: "
+                 "every chunk's and item index's checksum, and every record's members)")
+    p.add_argument("--dataset", dest="datasets", action="append", default=[], metavar="ROOT",
+                   help="for a sidecar of outputs: a dataset its outputs are of, checked to be the one they are of "
+                   "(its fingerprint), each record under its sample's key; repeat for several, in the loader's order")
+    return p
 
 
 def _verify(args: argparse.Namespace) -> int:
-    problems = verify(args.out, progress=not args.quiet, storage_options=args.storage_options,
-                      allowed_roots=args.allowed_roots)
+    if is_sidecar(args.out, args.storage_options):
+        problems = verify_sidecar(args.out, datasets=args.datasets, progress=not args.quiet,
+                                  storage_options=args.storage_options, allowed_roots=args.allowed_roots)
+    elif args.datasets:
+        raise ConfigError(f"--dataset names the datasets a sidecar of outputs is of; {args.out} is not a sidecar")
+    else:
+        problems = verify(args.out, progress=not args.quiet, storage_options=args.storage_options,
+                          allowed_roots=args.allowed_roots)
     for problem in problems:
         print(problem)
     print(f"verify: {len(problems)} problems" if problems else "verify: OK")
@@ -225,8 +245,8 @@ COMMANDS: dict[str, Command] = {
 
 
 _ABOUT = ("`shard-pack`: pack datasets into shards ({packing}), index original archives in place ({indexed}), "
-          "read them back (`inspect`, `verify`), measure and draw them as the loader reads them (`tune`, `preview`), "
-          "and bring older datasets to the current schema (`upgrade`).")
+          "read them back (`inspect`, `verify`; also a sidecar of outputs), measure and draw them as the loader "
+          "reads them (`tune`, `preview`), and bring older datasets to the current schema (`upgrade`).")
 
 
 def _parser() -> argparse.ArgumentParser:
