@@ -19,11 +19,11 @@ from tqdm import tqdm
 from pipeline.errors import ConfigError, DatasetError, SampleError, ShardError, ShardstreamError, excerpt
 from pipeline.format import MANIFEST_NAME, ShardInfo, check_key, unpack_record
 from pipeline.format.outputs import (
-    ALL_EPOCHS, OUTPUTS_NAME, Commit, FileRef, OutputField, OutputsManifest, chunk_name, pack_item_index,
+    ALL_EPOCHS, OUTPUTS_NAME, Commit, FileRef, OutputField, OutputsManifest, chunk_name, item_index_items,
     record_key, unpack_item_index,
 )
 from pipeline.index import SplitIndex, locate
-from pipeline.outputs.writer import committed
+from pipeline.outputs.writer import committed, listing
 from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, shard_url, with_retries
 from pipeline.tario import BLOCK, parse_sample
 
@@ -31,8 +31,6 @@ __all__ = ["describe_sidecar", "is_sidecar", "verify_sidecar"]
 
 _FOLDER_RE = re.compile(rf"{ALL_EPOCHS}|epoch-\d{{6}}")
 _COMMIT_RE = re.compile(r"r\d{5}-\d{6}\.json")
-_INDEX_HEADER = len(pack_item_index(np.zeros((0, 3))))  # (an item index's bytes before its rows, as the format writes)
-_INDEX_ROW = len(pack_item_index(np.zeros((1, 3)))) - _INDEX_HEADER
 
 
 # -- what a sidecar's folder holds --------------------------------------------------------------------
@@ -47,18 +45,6 @@ class _Sidecar:
     writing: dict[str, dict[int, list[Commit]]]
 
 
-def _names(fs: Any, path: str) -> list[str]:
-    """The names in a folder ([] if there is none)."""
-    try:
-        fs.invalidate_cache(path)  # (s3fs, gcsfs and adlfs keep listings)
-    except AttributeError:
-        pass
-    try:
-        return [name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)]
-    except FileNotFoundError:
-        return []
-
-
 def is_sidecar(root: str, storage_options: dict[str, Any] | None = None) -> bool:
     """Whether `root` is a sidecar of outputs rather than a dataset: it has no dataset manifest, and
     has an `outputs.json` or epoch folders holding commits (a sidecar still being written)."""
@@ -67,8 +53,8 @@ def is_sidecar(root: str, storage_options: dict[str, Any] | None = None) -> bool
         return False
     if fs.exists(join(base, OUTPUTS_NAME)):
         return True
-    return any(_COMMIT_RE.fullmatch(name) for folder in _names(fs, base) if _FOLDER_RE.fullmatch(folder)
-               for name in _names(fs, join(base, folder)))
+    return any(_COMMIT_RE.fullmatch(name) for folder in listing(fs, base) if _FOLDER_RE.fullmatch(folder)
+               for name in listing(fs, join(base, folder)))
 
 
 def _read(root: str, storage_options: dict[str, Any] | None, retry: Retry) -> _Sidecar:
@@ -81,7 +67,7 @@ def _read(root: str, storage_options: dict[str, Any] | None, retry: Retry) -> _S
     except FileNotFoundError:
         manifest = None
     writing = {}
-    for folder in sorted(_names(fs, base)):
+    for folder in sorted(listing(fs, base)):
         if _FOLDER_RE.fullmatch(folder) and (manifest is None or folder not in manifest.epochs):
             ranks = committed(fs, base, root, folder, None, retry)
             assert isinstance(ranks, dict)
@@ -103,7 +89,7 @@ def describe_sidecar(root: str, storage_options: dict[str, Any] | None = None, r
     if manifest is not None:
         lines = [f"sidecar {root}", *_of_lines(manifest.of), _keys_line(manifest.keyed), *_field_lines(manifest.fields)]
         for folder, (chunks, indexes) in sorted(manifest.epochs.items()):
-            records = sum((ref.bytes - _INDEX_HEADER) // _INDEX_ROW for source in indexes for ref in source)
+            records = sum(item_index_items(ref.bytes) for source in indexes for ref in source)
             lines.append(f"{_label(folder)}: complete, {len(chunks)} chunks, {sum(c.bytes for c in chunks)} bytes, "
                          f"{records} records")
     else:
@@ -373,7 +359,7 @@ def _check_indexes(reader: ShardReader, folder: str, refs: Sequence[FileRef], ch
                         f"dataset's split has {len(split.sizes)}")
     for shard, ref in enumerate(refs):
         url = shard_url(reader.root, ref.name)
-        count = max(0, (ref.bytes - _INDEX_HEADER) // _INDEX_ROW)
+        count = item_index_items(ref.bytes)
         if split is not None and shard < len(split.sizes) and count != split.sizes[shard]:
             problems.append(f"{url}: {count} items, the dataset's shard {split.split.names[shard]} has "
                             f"{int(split.sizes[shard])}")

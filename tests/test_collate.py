@@ -109,7 +109,7 @@ def test_held_batches_stay_intact_and_dropped_ones_come_back(sa1b_dataset, persi
         assert [b["keys"] for b in got] == [b["keys"] for b in want]
         for x, y in zip(got, want):
             assert torch.equal(x["images"], y["images"]) and torch.equal(x["masks"], y["masks"])
-    table = recycled.stream.decoder.leases.table
+    table = recycled.stream.stages.decoder.leases.table
     del held, got, x
     gc.collect()
     assert int((table != 0).sum()) == 0, "every buffer is handed back once its batch is dropped"

@@ -36,7 +36,7 @@ from pipeline.errors import ConfigError, DatasetError
 
 __all__ = ["OUTPUTS_NAME", "OUTPUTS_FORMAT", "OUTPUTS_VERSION", "OUTPUT_DTYPES", "ALL_EPOCHS", "OutputField",
            "Commit", "OutputsManifest", "FileRef", "epoch_folder", "chunk_name", "commit_name", "item_index_name",
-           "pack_item_index", "unpack_item_index", "check_field_name", "record_key"]
+           "pack_item_index", "unpack_item_index", "item_index_items", "check_field_name", "record_key"]
 
 OUTPUTS_NAME = "outputs.json"
 OUTPUTS_FORMAT = "shardstream-outputs"
@@ -230,6 +230,11 @@ def pack_item_index(records: np.ndarray) -> bytes:
     """One shard's item index: (chunk number, start, end) of each plan item of the shard, in item order."""
     records = np.ascontiguousarray(records, dtype="<i8").reshape(-1, 3)
     return _INDEX_HEADER.pack(_INDEX_MAGIC, OUTPUTS_VERSION, len(records)) + records.tobytes()
+
+
+def item_index_items(size: int) -> int:
+    """The items an item index of `size` bytes holds (0 for one too small to be one)."""
+    return max(0, (size - _INDEX_HEADER.size) // 24)
 
 
 def unpack_item_index(data: bytes | memoryview, items: int, chunks: Sequence[FileRef], url: str) -> np.ndarray:

@@ -40,7 +40,7 @@ from pipeline.plan import World, plan_epoch, rank_sample_count
 from pipeline.storage import Retry, ShardReader, filesystem, is_local, join, with_retries, write_bytes
 from pipeline.tario import BLOCK, member_header
 
-__all__ = ["OutputWriter", "committed", "finish_epoch", "read_outputs"]
+__all__ = ["OutputWriter", "committed", "finish_epoch", "listing", "read_outputs"]
 
 log = logging.getLogger(__name__)
 _END = b"\0" * (2 * BLOCK)
@@ -225,7 +225,7 @@ class OutputWriter:
                               "what was written: enter the writer on a fresh loader")
         if is_local(self.fs):
             os.makedirs(join(self.base, f"{self.folder}/index"), exist_ok=True)
-            for name in _names(self.fs, join(self.base, self.folder)):  # (this rank's, left by a killed write)
+            for name in listing(self.fs, join(self.base, self.folder)):  # (this rank's, left by a killed write)
                 if name.startswith(f"r{self.rank:05d}-") and ".partial-" in name:
                     os.unlink(join(self.base, f"{self.folder}/{name}"))
         cfg = self.loader.config
@@ -358,7 +358,8 @@ def read_outputs(fs: Any, base: str, out: str, retry: Retry) -> OutputsManifest 
     return OutputsManifest.from_bytes(data, url)
 
 
-def _names(fs: Any, path: str) -> list[str]:
+def listing(fs: Any, path: str) -> list[str]:
+    """The names in a folder, listed afresh ([] where there is none)."""
     with contextlib.suppress(AttributeError):
         fs.invalidate_cache(path)  # (s3fs, gcsfs and adlfs keep listings)
     try:
@@ -372,7 +373,7 @@ def committed(fs: Any, base: str, out: str, folder: str, rank: int | None,
     """A rank's commits in `folder`, in order, up to the first missing one (or, `rank=None`, every
     rank's, by rank). A chunk counts only with its commit, and only if it is the size it says."""
     numbers: dict[int, set[int]] = {}
-    for name in _names(fs, join(base, folder)):
+    for name in listing(fs, join(base, folder)):
         if (match := _COMMIT_RE.fullmatch(name)) and (rank is None or int(match[1]) == rank):
             numbers.setdefault(int(match[1]), set()).add(int(match[2]))
     found: dict[int, list[Commit]] = {}
