@@ -360,3 +360,18 @@ def test_a_resumption_in_another_world_size_attaches_the_rest_exactly(sa1b_datas
             assert torch.equal(batch["teacher"], teacher(batch["images"]))
             seen += batch["keys"]
     assert len(seen) == len(set(seen)) == 8  # (the 5 left over 2 ranks in batches of 2: 1 dropped)
+
+
+def test_a_bad_record_is_skipped_and_counted_with_on_error_skip(sa1b_dataset: str, tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bad"
+    write(str(out), sa1b_dataset, epochs=(0,), hflip=0.0, scale_jitter=None)
+    chunk = sorted((out / "all").glob("r00000-*.tar"))[0]
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF  # (the first record's first header: its checksum no longer matches)
+    chunk.write_bytes(bytes(data))
+    settings = dict(batch_size=3, drop_last=False, image_size=64, mask_size=8, attach={"teacher": str(out)})
+    with pytest.raises(ShardstreamError, match="r00000-000000.tar"):
+        list(make_stream_loader(sa1b_dataset, "train", **settings))
+    loader = make_stream_loader(sa1b_dataset, "train", on_error="skip", **settings)
+    rows = sum(len(batch["keys"]) for batch in loader)
+    assert loader.skipped == 1 and rows == len(split_keys(sa1b_dataset)) - 1
