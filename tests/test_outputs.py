@@ -375,3 +375,53 @@ def test_a_bad_record_is_skipped_and_counted_with_on_error_skip(sa1b_dataset: st
     loader = make_stream_loader(sa1b_dataset, "train", on_error="skip", **settings)
     rows = sum(len(batch["keys"]) for batch in loader)
     assert loader.skipped == 1 and rows == len(split_keys(sa1b_dataset)) - 1
+
+
+def _hf_attached(vqa: str, sidecar: str, out: str, *, stop: int | None = None,
+                 resume: str | None = None) -> list[str]:
+    """HF Trainer over `trainer_dataset` with the sidecar attached, `resume_callback`, 2 epochs (stopped
+    after step `stop`, or resumed from `resume`): each trained sample's attached value, checked as its own."""
+    from transformers import Trainer, TrainingArguments
+
+    from pipeline import resume_callback, trainer_dataset
+
+    collated: list[str] = []  # (accelerate collates a batch ahead: what is trained is what reaches the model)
+    trained: list[str] = []
+
+    def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        for s in samples:
+            assert s["tag"] == f"{s['keys']}/{int(s['question_index'])}"
+        collated.extend(s["tag"] for s in samples)
+        return {"ids": torch.arange(len(collated) - len(samples), len(collated))}
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+            trained.extend(collated[i] for i in ids.tolist())
+            return {"loss": (self.weight - 1) ** 2}
+
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, num_train_epochs=2, use_cpu=True,
+                             remove_unused_columns=False, report_to="none", disable_tqdm=True, logging_steps=1000,
+                             save_strategy="steps" if stop else "no", save_steps=stop or 500, max_steps=stop or -1)
+    ds = trainer_dataset(vqa, "train", batch_size=2, seed=3, image_size=16, attach={"tag": sidecar})
+    trainer = Trainer(model=Model(), args=args, train_dataset=ds, data_collator=collate,
+                      callbacks=[resume_callback(ds)])
+    trainer.train(resume_from_checkpoint=resume)
+    return trained
+
+
+@pytest.mark.slow
+def test_hf_trainer_resumed_mid_epoch_trains_each_sample_with_its_own_output(vqa: str, tmp_path: pathlib.Path) -> None:
+    out = str(tmp_path / "tags")
+    loader = make_stream_loader(vqa, "train", batch_size=4, drop_last=False, image_size=16)
+    with OutputWriter(out, loader) as writer:
+        for batch in loader:
+            writer.write(batch["keys"], {"tag": [f"{k}/{int(q)}" for k, q in zip(batch["keys"],
+                                                                                 batch["question_index"])]})
+    whole = _hf_attached(vqa, out, str(tmp_path / "whole"))
+    first = _hf_attached(vqa, out, str(tmp_path / "run"), stop=3)
+    rest = _hf_attached(vqa, out, str(tmp_path / "run"), resume=str(tmp_path / "run" / "checkpoint-3"))
+    assert first + rest == whole and len(whole) > 8

@@ -97,44 +97,70 @@ def _columns(outputs: Mapping[str, Any], rows: int) -> tuple[tuple[OutputField, 
     return tuple(fields), columns
 
 
+class _Buffer:
+    """A chunk's bytes as they are appended, and their SHA-256: a buffer kept for the next chunk once
+    written (fresh memory costs a page fault per 4 KiB: as much as the copy itself)."""
+
+    def __init__(self) -> None:
+        self.array, self.size, self.sha = np.empty(0, np.uint8), 0, hashlib.sha256()
+
+    def add(self, data: Any) -> None:
+        size = len(data)
+        if self.size + size > len(self.array):
+            grown = np.empty(max(2 * len(self.array), self.size + size), np.uint8)
+            grown[: self.size] = self.array[: self.size]
+            self.array = grown
+        self.array[self.size : self.size + size] = np.frombuffer(data, np.uint8)
+        self.size += size
+        self.sha.update(data)
+
+    def view(self) -> memoryview:
+        return memoryview(self.array)[: self.size]
+
+    def reset(self) -> None:
+        self.size, self.sha = 0, hashlib.sha256()
+
+
 class _Chunks:
-    """A rank's chunks in one epoch folder: records appended to the chunk in progress, each chunk
-    committed (written whole, then its commit) in a thread of its own while the loop goes on, one at
-    a time."""
+    """A rank's chunks in one epoch folder: records appended to the chunk in progress (copied and
+    hashed in the loop's thread), each chunk committed (written whole, then its commit) in a thread
+    of its own while the loop goes on, one at a time."""
 
     def __init__(self, writer: OutputWriter, number: int) -> None:
         self.fs, self.base, self.retry = writer.fs, writer.base, writer.retry
         self.folder, self.rank, self.world_size = writer.folder, writer.rank, writer.world_size
         self.number = number  # of the chunk in progress
-        self.data, self.records = bytearray(), []  # the chunk in progress: bytes, (source, item, start, end)
+        self.data, self.records = _Buffer(), []  # the chunk in progress: bytes, (source, item, start, end)
+        self._spare = _Buffer()  # the chunk being written (then the next one's)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardstream-outputs")
         self._pending: concurrent.futures.Future[None] | None = None
 
     def add(self, key: str, source: int, item: int, members: Sequence[tuple[str, Any]]) -> None:
         """One record: a member `<key>.<field>` per (field, bytes)."""
-        data, start = self.data, len(self.data)
+        data, start = self.data, self.data.size
         for name, value in members:
-            data += member_header(f"{key}.{name}", len(value))
-            data += value
-            data += b"\0" * (-len(value) % BLOCK)
-        self.records.append((source, item, start, len(data)))
+            data.add(member_header(f"{key}.{name}", len(value)))
+            data.add(value)
+            data.add(bytes(-len(value) % BLOCK))
+        self.records.append((source, item, start, data.size))
 
     def commit(self, state: dict[str, Any], schema: tuple[tuple[OutputField, ...], bool], last: bool) -> None:
         """The chunk in progress, committed with the loader's `state` after its last batch; `schema`:
         the fields, and whether records are named by their samples' keys."""
-        data, records = self.data, np.array(self.records, dtype=np.int64).reshape(-1, 4)
-        self.data, self.records = bytearray(), []
-        self.wait()
-        self._pending = self._thread.submit(self._store, data, self.number, records, state, schema, last)
+        full, records = self.data, np.array(self.records, dtype=np.int64).reshape(-1, 4)
+        full.add(_END)
+        self.wait()  # (the chunk before: its buffer is free again)
+        self.data, self._spare, self.records = self._spare, full, []
+        self.data.reset()
+        self._pending = self._thread.submit(self._store, full.view(), full.sha.hexdigest(), self.number, records,
+                                            state, (*schema, last))
         self.number += 1
 
-    def _store(self, data: bytearray, number: int, records: np.ndarray, state: dict[str, Any],
-               schema: tuple[tuple[OutputField, ...], bool], last: bool) -> None:
-        data += _END
-        digest = hashlib.sha256(data).hexdigest()
+    def _store(self, data: memoryview, digest: str, number: int, records: np.ndarray, state: dict[str, Any],
+               schema: tuple[tuple[OutputField, ...], bool, bool]) -> None:
         _write(self.fs, join(self.base, chunk_name(self.folder, self.rank, number)), data, self.retry)
         batches = int(sum(n for _, n in state["history"]))  # (the rank's, with this chunk's)
-        commit = Commit(self.rank, self.world_size, number, len(data), digest, records, batches, state, *schema, last)
+        commit = Commit(self.rank, self.world_size, number, len(data), digest, records, batches, state, *schema)
         write_bytes(self.fs, join(self.base, commit_name(self.folder, self.rank, number)), commit.to_bytes(),
                     self.retry)
 
@@ -146,7 +172,7 @@ class _Chunks:
 
     def close(self) -> None:
         """The chunk in progress dropped (its batches are written again when the job is run again)."""
-        self.data, self.records = bytearray(), []
+        self.data, self._spare, self.records = _Buffer(), _Buffer(), []
         self._thread.shutdown(wait=True)
 
 
@@ -269,7 +295,7 @@ class OutputWriter:
             name = record_key(check_key(key) if keyed else key, int(sources[i]), int(items[i]), keyed)
             chunks.add(name, int(sources[i]), int(items[i]), [(f.name, columns[f.name][i]) for f in fields])
         self.batches += 1
-        if len(chunks.data) >= self.chunk_bytes or self.batches == self.share:
+        if chunks.data.size >= self.chunk_bytes or self.batches == self.share:
             chunks.commit(state, (fields, keyed), self.batches == self.share)
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
@@ -328,7 +354,7 @@ def _shown(fields: Sequence[OutputField]) -> str:
     return ", ".join(f"{f.name}: {f.describe()}" for f in fields)
 
 
-def _write(fs: Any, path: str, data: bytearray, retry: Retry) -> None:
+def _write(fs: Any, path: str, data: memoryview, retry: Retry) -> None:
     """A chunk, whole or not at all: on a local disk a synced temporary file renamed into place, on
     object storage one PUT (objects appear only when complete)."""
     if not is_local(fs):
