@@ -425,3 +425,19 @@ def test_hf_trainer_resumed_mid_epoch_trains_each_sample_with_its_own_output(vqa
     first = _hf_attached(vqa, out, str(tmp_path / "run"), stop=3)
     rest = _hf_attached(vqa, out, str(tmp_path / "run"), resume=str(tmp_path / "run" / "checkpoint-3"))
     assert first + rest == whole and len(whole) > 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.bool])
+def test_every_fixed_dtype_comes_back_exactly(sa1b_dataset: str, tmp_path: pathlib.Path, dtype: torch.dtype) -> None:
+    out = str(tmp_path / "dtype")
+    settings = dict(batch_size=3, drop_last=False, image_size=64, mask_size=8)
+    loader = make_stream_loader(sa1b_dataset, "train", **settings)
+
+    def value(images: torch.Tensor) -> torch.Tensor:
+        return (teacher(images).float() * 1000 - 3).to(dtype)
+
+    with OutputWriter(out, loader, inputs=("images",)) as writer:
+        for batch in loader:
+            writer.write(batch["keys"], {"value": value(batch["images"])})
+    for batch in make_stream_loader(sa1b_dataset, "train", **settings, num_workers=1, attach={"value": out}):
+        assert batch["value"].dtype == dtype and torch.equal(batch["value"], value(batch["images"]))

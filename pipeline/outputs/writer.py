@@ -98,16 +98,18 @@ def _columns(outputs: Mapping[str, Any], rows: int) -> tuple[tuple[OutputField, 
 
 
 class _Buffer:
-    """A chunk's bytes as they are appended, and their SHA-256: a buffer kept for the next chunk once
-    written (fresh memory costs a page fault per 4 KiB: as much as the copy itself)."""
+    """A chunk's bytes as they are appended, and their SHA-256: made at `capacity` (a chunk and some
+    more), grown only by a batch that overshoots it, and kept for the chunk after next once written
+    (fresh memory costs a page fault per 4 KiB: as much as the copy itself)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
         self.array, self.size, self.sha = np.empty(0, np.uint8), 0, hashlib.sha256()
+        self.capacity = capacity
 
     def add(self, data: Any) -> None:
         size = len(data)
         if self.size + size > len(self.array):
-            grown = np.empty(max(2 * len(self.array), self.size + size), np.uint8)
+            grown = np.empty(max(2 * len(self.array), self.size + size, self.capacity), np.uint8)
             grown[: self.size] = self.array[: self.size]
             self.array = grown
         self.array[self.size : self.size + size] = np.frombuffer(data, np.uint8)
@@ -130,8 +132,9 @@ class _Chunks:
         self.fs, self.base, self.retry = writer.fs, writer.base, writer.retry
         self.folder, self.rank, self.world_size = writer.folder, writer.rank, writer.world_size
         self.number = number  # of the chunk in progress
-        self.data, self.records = _Buffer(), []  # the chunk in progress: bytes, (source, item, start, end)
-        self._spare = _Buffer()  # the chunk being written (then the next one's)
+        capacity = writer.chunk_bytes + writer.chunk_bytes // 8
+        self.data, self.records = _Buffer(capacity), []  # the chunk in progress: bytes, (source, item, start, end)
+        self._spare = _Buffer(capacity)  # the chunk being written (then the next one's)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardstream-outputs")
         self._pending: concurrent.futures.Future[None] | None = None
 
@@ -172,8 +175,8 @@ class _Chunks:
 
     def close(self) -> None:
         """The chunk in progress dropped (its batches are written again when the job is run again)."""
-        self.data, self._spare, self.records = _Buffer(), _Buffer(), []
         self._thread.shutdown(wait=True)
+        self.data, self._spare, self.records = _Buffer(0), _Buffer(0), []
 
 
 class OutputWriter:
