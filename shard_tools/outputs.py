@@ -95,7 +95,7 @@ def describe_sidecar(root: str, storage_options: dict[str, Any] | None = None, r
     else:
         first = next(iter(next(iter(sidecar.writing.values())).values()))[0]
         lines = [f"sidecar {root}: no outputs.json yet (written once every rank's share of an epoch is committed)",
-                 *_state_lines(first.state), _keys_line(first.keyed), *_field_lines(first.fields)]
+                 *_of_lines(first.of), _keys_line(first.keyed), *_field_lines(first.fields)]
     for folder, ranks in sidecar.writing.items():
         lines += _writing_lines(folder, ranks)
     return lines
@@ -119,12 +119,6 @@ def _of_lines(of: dict[str, Any]) -> list[str]:
         "no seed (they do not change with the epoch: one pass serves every epoch)"
     return [f"of datasets {datasets} (fingerprints), split {of.get('split')}, {items} items, kind {of.get('kind')}",
             f"outputs of {inputs}; {seed}", _options(of.get("options"))]
-
-
-def _state_lines(state: dict[str, Any]) -> list[str]:
-    """What a sidecar without a manifest is of, as far as its writing loader's state tells."""
-    return [f"of (the writing loader's state) fingerprint {str(state.get('fingerprint'))[:16]}, split "
-            f"{state.get('split')}, kind {state.get('kind')}, seed {state.get('seed')}", _options(state.get("options"))]
 
 
 def _keys_line(keyed: bool) -> str:

@@ -441,3 +441,18 @@ def test_every_fixed_dtype_comes_back_exactly(sa1b_dataset: str, tmp_path: pathl
             writer.write(batch["keys"], {"value": value(batch["images"])})
     for batch in make_stream_loader(sa1b_dataset, "train", **settings, num_workers=1, attach={"value": out}):
         assert batch["value"].dtype == dtype and torch.equal(batch["value"], value(batch["images"]))
+
+
+def test_a_restart_with_other_samples_is_refused_before_the_manifest_exists(sa1b_dataset: str,
+                                                                              tmp_path: pathlib.Path) -> None:
+    out = str(tmp_path / "other")
+    loader = make_stream_loader(sa1b_dataset, "train", batch_size=3, drop_last=False, seed=5, **AUGMENTED)
+    with OutputWriter(out, loader, inputs=("images",), chunk_bytes=1) as writer:
+        batch = next(iter(loader))
+        writer.write(batch["keys"], {"teacher": teacher(batch["images"])})
+    again = make_stream_loader(sa1b_dataset, "train", batch_size=3, drop_last=False, seed=5,
+                               **{**AUGMENTED, "hflip": 0.25})
+    with pytest.raises(ConfigError, match=r"epoch-000000 was being written from other samples than this loader's: "
+                                          r"kind options \(hflip: 0.5 there, 0.25 here\)"):
+        with OutputWriter(out, again, inputs=("images",)):
+            pass

@@ -106,7 +106,7 @@ def test_inspect_of_an_unfinished_sidecar(sa1b_dataset: str, tmp_path: pathlib.P
     assert code == 0
     assert lines[0] == f"sidecar {out}: no outputs.json yet (written once every rank's share of an epoch is committed)"
     fingerprint = read_manifest(sa1b_dataset).fingerprint
-    assert lines[1] == f"of (the writing loader's state) fingerprint {fingerprint[:16]}, split train, kind sa1b, seed 5"
+    assert lines[1] == f"of datasets {fingerprint[:16]} (fingerprints), split train, 9 items, kind sa1b"
     assert "field teacher: float16 [3, 8, 8]" in lines
     rank0 = sorted((out / "epoch-000000").glob("r00000-*.tar"))
     rank1 = (out / "epoch-000000" / "r00001-000000.tar").stat().st_size

@@ -142,7 +142,8 @@ class FileRef:
 class Commit:
     """A written chunk, committed: `records` rows (source, plan item, start, end) in write order; the
     writing loader's `state` after its last batch; `batches`: the rank's batches written by then;
-    `last`: the rank's share of the epoch is complete."""
+    `last`: the rank's share of the epoch is complete; `of`: what the outputs are of (as the manifest
+    will say: a writer started again with another loader is refused before the manifest exists)."""
 
     rank: int
     world_size: int
@@ -155,9 +156,11 @@ class Commit:
     fields: tuple[OutputField, ...]
     keyed: bool
     last: bool
+    of: dict[str, Any]
 
     def to_bytes(self) -> bytes:
         return json.dumps({"rank": self.rank, "world_size": self.world_size, "number": self.number, "keyed": self.keyed,
+                           "of": self.of,
                            "bytes": self.bytes, "sha256": self.sha256,
                            "records": base64.b64encode(np.ascontiguousarray(self.records, "<i8").tobytes()).decode(),
                            "batches": self.batches, "state": self.state,
@@ -171,7 +174,8 @@ class Commit:
             records = np.frombuffer(base64.b64decode(obj["records"], validate=True), "<i8").reshape(-1, 4)
             return cls(int(obj["rank"]), int(obj["world_size"]), int(obj["number"]), int(obj["bytes"]),
                        str(obj["sha256"]), records, int(obj["batches"]), dict(obj["state"]),
-                       tuple(OutputField.from_json(f) for f in obj["fields"]), bool(obj["keyed"]), bool(obj["last"]))
+                       tuple(OutputField.from_json(f) for f in obj["fields"]), bool(obj["keyed"]), bool(obj["last"]),
+                       dict(obj["of"]))
         except (ValueError, KeyError, TypeError, binascii.Error) as exc:
             raise DatasetError(f"not a commit of the outputs writer: {exc}", url=url) from exc
 

@@ -130,7 +130,7 @@ class _Chunks:
 
     def __init__(self, writer: OutputWriter, number: int) -> None:
         self.fs, self.base, self.retry = writer.fs, writer.base, writer.retry
-        self.folder, self.rank, self.world_size = writer.folder, writer.rank, writer.world_size
+        self.folder, self.rank, self.world_size, self.of = writer.folder, writer.rank, writer.world_size, writer.of
         self.number = number  # of the chunk in progress
         capacity = writer.chunk_bytes + writer.chunk_bytes // 8
         self.data, self.records = _Buffer(capacity), []  # the chunk in progress: bytes, (source, item, start, end)
@@ -163,7 +163,8 @@ class _Chunks:
                schema: tuple[tuple[OutputField, ...], bool, bool]) -> None:
         _write(self.fs, join(self.base, chunk_name(self.folder, self.rank, number)), data, self.retry)
         batches = int(sum(n for _, n in state["history"]))  # (the rank's, with this chunk's)
-        commit = Commit(self.rank, self.world_size, number, len(data), digest, records, batches, state, *schema)
+        commit = Commit(self.rank, self.world_size, number, len(data), digest, records, batches, state, *schema,
+                        self.of)
         write_bytes(self.fs, join(self.base, commit_name(self.folder, self.rank, number)), commit.to_bytes(),
                     self.retry)
 
@@ -242,6 +243,9 @@ class OutputWriter:
         commits = committed(self.fs, self.base, self.out, self.folder, self.rank, self.retry)
         if commits:
             last = commits[-1]
+            if problem := refusal(last.of, self.of):
+                raise ConfigError(f"{self.out}: {self.folder} was being written from other samples than this "
+                                  f"loader's: {problem}")
             if last.world_size != self.world_size:
                 raise ConfigError(f"{self.out}: {self.folder} was being written by {last.world_size} ranks; finish it "
                                   f"with {last.world_size} (this job has {self.world_size}), or write elsewhere")
