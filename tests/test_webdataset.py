@@ -181,3 +181,22 @@ def test_every_member_is_a_sample_part_a_counted_skip_or_ignored(tmp_path, form)
     assert (summary.samples, summary.skipped, summary.ignored, skipped) == (2, len(want), 2, want)
     members = len(tarfile.open(tmp_path / "a.tar").getmembers())
     assert 2 * 2 + summary.skipped + summary.ignored == members  # (each skipped sample here: one member)
+
+
+def test_outputs_written_from_a_loop_attach_to_each_sample(wds, tmp_path):
+    """(pipeline.OutputWriter and attach=, as for the project's own kinds: docs/distillation.md.)"""
+    from pipeline import OutputWriter
+
+    out = str(tmp_path / "scores")
+    settings = {"decode": decode, "drop_last": False}
+    loader = make_stream_loader(wds, "train", batch_size=5, **settings)
+    with OutputWriter(out, loader) as writer:
+        for batch in loader:
+            writer.write(batch["key"], {"score": batch["label"] * 2, "upper": [t.upper() for t in batch["text"]]})
+    student = make_stream_loader(wds, "train", batch_size=3, num_workers=2, attach={"score": out, "upper": out},
+                                 **settings)
+    keys = []
+    for batch in student:
+        assert torch.equal(batch["score"], batch["label"] * 2) and batch["upper"] == [t.upper() for t in batch["text"]]
+        keys += batch["key"]
+    assert sorted(keys) == [f"s{i:04d}" for i in range(SAMPLES)]
