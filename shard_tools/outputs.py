@@ -23,8 +23,8 @@ from pipeline.format.outputs import (
     record_key, unpack_item_index,
 )
 from pipeline.index import SplitIndex, locate
-from pipeline.outputs.writer import committed, listing
-from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, shard_url, with_retries
+from pipeline.outputs.writer import committed, listing, read_outputs
+from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, shard_url
 from pipeline.tario import BLOCK, parse_sample
 
 __all__ = ["describe_sidecar", "is_sidecar", "verify_sidecar"]
@@ -60,12 +60,7 @@ def is_sidecar(root: str, storage_options: dict[str, Any] | None = None) -> bool
 def _read(root: str, storage_options: dict[str, Any] | None, retry: Retry) -> _Sidecar:
     """The sidecar at `root`: its manifest, and the commits of the epochs it does not list yet."""
     fs, base = filesystem(root, storage_options)
-    url = join(root, OUTPUTS_NAME)
-    try:
-        manifest: OutputsManifest | None = OutputsManifest.from_bytes(
-            with_retries(retry, url, lambda: fs.cat_file(join(base, OUTPUTS_NAME))), url)
-    except FileNotFoundError:
-        manifest = None
+    manifest = read_outputs(fs, base, root, retry)
     writing = {}
     for folder in sorted(listing(fs, base)):
         if _FOLDER_RE.fullmatch(folder) and (manifest is None or folder not in manifest.epochs):
@@ -243,8 +238,8 @@ def verify_sidecar(root: str, *, datasets: Sequence[str] = (), progress: bool = 
     sidecar = _read(root, storage_options, retry)
     manifest = sidecar.manifest
     if datasets and manifest is None:
-        raise ConfigError(f"--dataset: {root} has no outputs.json yet (what it is of is written with it); verify it "
-                          "without --dataset")
+        raise ConfigError(f"--dataset: {root} has no outputs.json yet (records are checked against the dataset "
+                          "once an epoch is complete); verify it without --dataset")
     problems: list[str] = []
     samples = None
     if manifest is not None and datasets:
