@@ -19,7 +19,6 @@ import hashlib
 import logging
 import os
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -161,7 +160,7 @@ class _Chunks:
 
     def _store(self, data: memoryview, digest: str, number: int, records: np.ndarray, state: dict[str, Any],
                schema: tuple[tuple[OutputField, ...], bool, bool]) -> None:
-        _write(self.fs, join(self.base, chunk_name(self.folder, self.rank, number)), data, self.retry)
+        write_bytes(self.fs, join(self.base, chunk_name(self.folder, self.rank, number)), data, self.retry)
         batches = int(sum(n for _, n in state["history"]))  # (the rank's, with this chunk's)
         commit = Commit(self.rank, self.world_size, number, len(data), digest, records, batches, state, *schema,
                         self.of)
@@ -359,25 +358,6 @@ def _in_rows(stream: Any, readers: list[ShardReader], sources: np.ndarray,
 
 def _shown(fields: Sequence[OutputField]) -> str:
     return ", ".join(f"{f.name}: {f.describe()}" for f in fields)
-
-
-def _write(fs: Any, path: str, data: memoryview, retry: Retry) -> None:
-    """A chunk, whole or not at all: on a local disk a synced temporary file renamed into place, on
-    object storage one PUT (objects appear only when complete)."""
-    if not is_local(fs):
-        with_retries(retry, fs.unstrip_protocol(path), lambda: fs.pipe_file(path, bytes(data)))
-        return
-    partial = f"{path}.partial-{uuid.uuid4().hex}"
-    try:
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
-        raise
 
 
 def read_outputs(fs: Any, base: str, out: str, retry: Retry) -> OutputsManifest | None:

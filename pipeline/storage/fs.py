@@ -143,8 +143,8 @@ def read_range(fs: fsspec.AbstractFileSystem, path: str, url: str, start: int, e
 
 
 
-def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, retry: Retry = Retry()) -> None:
-    """Write a small file so that readers see all of it or nothing: on a local disk a synced temporary
+def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes | memoryview, retry: Retry = Retry()) -> None:
+    """Write a file so that readers see all of it or nothing: on a local disk a synced temporary
     file renamed into place (removed if the write fails: the OSError then names `path`); on object
     storage one PUT (objects appear only when complete)."""
     if is_local(fs):
@@ -162,5 +162,5 @@ def write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes, retry: Re
                 raise OSError(exc.errno, exc.strerror, path) from exc
             raise
         return
-    with_retries(retry, fs.unstrip_protocol(path), lambda: fs.pipe_file(path, data))
+    with_retries(retry, fs.unstrip_protocol(path), lambda: fs.pipe_file(path, bytes(data)))
 
