@@ -1,13 +1,124 @@
-"""The last stage: move batches to the device, the next batch's copy overlapping the current step."""
+"""The last stage: move batches to the device, the next batch's copy overlapping the current step; and
+the pixel work a device stage does there, in torch, the same code on "cpu" and "cuda" tensors: masks
+rasterised from their COCO runs, JPEGs decoded, resized with antialiasing, cropped and mirrored into a
+padded canvas.
+
+Masks (`run_raster`): each output pixel samples one source pixel, `rle.nearest_index`'s or
+`rle.affine_index`'s rule, whose column-major index is searched in the masks' cumulative run ends (all
+masks' runs concatenated: mask i's pixels are [i x H x W, (i + 1) x H x W) of that sum); a pixel in an
+odd run of its mask is foreground. No full-size raster, no loop over pixels: one search per output
+pixel, in chunks (`MASK_CHUNK`) that bound the stage's scratch memory. The same masks as `rle.bits_at`,
+bit for bit (tests/test_device.py).
+
+Images: on a CUDA device the batch's JPEGs are decoded in one call (torchvision's nvJPEG `decode_jpeg`,
+imported only then: PyPI's torchvision is built for CUDA torch and does not load beside a CPU build); on
+the CPU, and for what nvJPEG refuses, by `images.decode_image` at full scale. `resized` then filters them
+to the frame as the CPU path does (antialiased bilinear), in float32, which CUDA's kernel needs: within a
+level of the CPU path's uint8 kernel.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["to_device", "prefetch_to_cuda"]
+from pipeline.images import MAX_IMAGE_PIXELS, decode_image
+
+__all__ = ["to_device", "prefetch_to_cuda", "MASK_CHUNK", "run_raster", "decode_jpegs", "resized", "Placement",
+           "place"]
+
+MASK_CHUNK = 1 << 22  # output pixels searched at once: 2 x 32 MiB of int64 scratch at most
+
+
+def run_raster(runs: torch.Tensor, runs_per: torch.Tensor, size: tuple[int, int], ys: torch.Tensor,
+               xs: torch.Tensor) -> torch.Tensor:
+    """Masks (k, len(ys), len(xs)) bool, on the runs' device: k masks of `size` (H, W), their run lengths
+    (column-major, 0s first, alternating) concatenated in `runs`, `runs_per[i]` of them mask i's, each
+    mask's covering H x W pixels (as `rle.parse` checked them), sampled at source rows `ys` and columns
+    `xs` (reversed `xs`: mirrored). Equals `rle.bits_at(parsed, ys, xs)` unpacked."""
+    (height, width), device = size, runs.device
+    k = len(runs_per)
+    out = torch.empty((k, len(ys), len(xs)), dtype=torch.bool, device=device)
+    if not out.numel():
+        return out
+    ends = torch.cumsum(runs.to(torch.int64), 0)
+    runs_per = runs_per.to(torch.int64)
+    first = torch.cumsum(runs_per, 0) - runs_per
+    within = torch.arange(len(runs), device=device) - torch.repeat_interleave(first, runs_per, output_size=len(runs))
+    odd = (within & 1).bool()  # (a run of 1s)
+    pixel = xs.to(torch.int64)[None, :] * height + ys.to(torch.int64)[:, None]  # (h, w) column-major source index
+    step = max(1, MASK_CHUNK // pixel.numel())
+    for start in range(0, k, step):
+        masks = torch.arange(start, min(k, start + step), device=device)
+        at = masks[:, None, None] * (height * width) + pixel
+        out[start : start + len(masks)] = odd[torch.searchsorted(ends, at, right=True)]
+    return out
+
+
+def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device, where: Sequence[tuple[str, str]],
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> list[torch.Tensor]:
+    """Each JPEG (a 1-D uint8 CPU tensor of its bytes) as (3, h, w) uint8 RGB on `device`, at its stored
+    size. `where` names each one's (url, key): one that cannot be decoded raises `SampleError` naming it."""
+    device = torch.device(device)
+    decoded = _nvjpeg(data, device) if device.type == "cuda" else [None] * len(data)
+    return [image if image is not None else
+            decode_image(bytes(jpeg.numpy()), None, url, key, max_pixels).to(device)
+            for image, jpeg, (url, key) in zip(decoded, data, where)]
+
+
+def _nvjpeg(data: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """The JPEGs decoded on the GPU in one batched call; one it refuses (CMYK, damage: the batch's call
+    fails, then each is tried alone) is None, for the CPU decoder to take or name."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError as exc:
+        raise ImportError(f"JPEGs decoded on a CUDA device need torchvision's nvJPEG ({exc}): pip install the "
+                          "torchvision built for your torch (0.28 for torch 2.13)") from exc
+    try:
+        return list(decode_jpeg(list(data), mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:
+        pass
+    decoded: list[torch.Tensor | None] = []
+    for jpeg in data:
+        try:
+            decoded.append(decode_jpeg(jpeg, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:
+            decoded.append(None)
+    return decoded
+
+
+def resized(pixels: torch.Tensor, frame: tuple[int, int]) -> torch.Tensor:
+    """(3, h, w) uint8 at `frame` (h, w) by antialiased bilinear filtering (`images.decode_image`'s), in
+    float32 and rounded; as it is when already at `frame`."""
+    if tuple(pixels.shape[1:]) == tuple(frame):
+        return pixels
+    scaled = F.interpolate(pixels[None].float(), size=tuple(frame), mode="bilinear", antialias=True,
+                           align_corners=False)[0]
+    return scaled.round_().clamp_(0, 255).to(torch.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where an image lands in its canvas: resized to `scaled` (h, w), read from `offset` (y, x) on, its
+    `content` (h, w) at the canvas's top left (the rest zeros), mirrored left to right with `mirrored`."""
+
+    scaled: tuple[int, int]
+    offset: tuple[int, int]
+    content: tuple[int, int]
+    mirrored: bool = False
+
+
+def place(pixels: torch.Tensor, placement: Placement, out: torch.Tensor) -> None:
+    """Write the image (3, h, w) uint8, as stored, into its canvas `out` (3, s, s), as `placement` says."""
+    (oy, ox), (h, w) = placement.offset, placement.content
+    content = resized(pixels, placement.scaled)[:, oy : oy + h, ox : ox + w]
+    out[:, :h, :w] = content.flip(-1) if placement.mirrored else content
+    out[:, h:] = 0
+    out[:, :h, w:] = 0
 
 
 def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = False) -> dict[str, Any]:
