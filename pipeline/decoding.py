@@ -71,14 +71,12 @@ class Decoder:
             with about_sample(sample.url, sample.key):
                 self.note(worker, "reading", sample)
                 taken = self._open(reads, opened, sample, clock)
+                rows = (records if self.kind.grouped else (records,)) if self.attachments.sidecars else ()
+                attached = self.attachments.take(reads, rows, sample.key)  # (a row missing: never decoded)
                 self.note(worker, "decoding", sample)
                 decoded = self.kind.decode(taken, unit=unit, seed=self.config.seed, epoch=epoch, url=sample.url,
                                            key=sample.key, clock=clock)
-                if not self.attachments.sidecars:
-                    return decoded, []
-                self.note(worker, "reading", sample)
-                rows = records if self.kind.grouped else (records,)
-                return decoded, [self.attachments.take(reads, row) for row in rows]
+                return decoded, attached
         finally:
             reads.done(sample)
 

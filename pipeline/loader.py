@@ -357,8 +357,7 @@ def _stream(source: str | Sequence[str], split: str, config: LoaderConfig, optio
                 "split": split, "units": [int(s.sizes.sum()) for s in sources],
                 **{name: getattr(config, name) for name in ORDER_SETTINGS}, "kind": manifests[0].kind,
                 "options": describe(kind.options)}
-    attachments = Attachments.of(dict(config.attach), manifests, split, kind, sources, config.seed,
-                                 config.storage_options, config.retry)
+    attachments = Attachments.of(dict(config.attach), manifests, split, kind, sources, config)
     stream = ShardStream(sources, mix, kind, config, world, max_workers=max_workers, identity=identity,
                          option_defaults=option_defaults(kind.options), attachments=attachments, **mode)
     if stream.batches() == 0:

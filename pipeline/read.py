@@ -258,19 +258,31 @@ class SampleReads:
         they hold in this process's memory (a mapped file's pages are the page cache's); its pages
         are released at `done` unless the caller `keep`s the sample. Its errors name it (`about_sample`)."""
         with about_sample(sample.url, sample.key):
-            if sample.where not in self.inflight:  # (asked for again: dropped from the open samples since)
-                self.ahead([sample])
-            future = self.inflight.pop(sample.where)
-            self.clock.mark()
-            self.sized[sample.url].result()
-            pieces = future.result()
-            self.clock.split("read")
+            pieces = self._pieces(sample)
             members: dict[str, Any] = {}
             for start, data, group in pieces:
                 members.update(parse_sample(data, sample.url, sample.key, self.limits, group, start))
         if not keep:
             self.taken[sample.where] = [data for _, data, _ in pieces]
         return members, sum(len(data) for _, data, _ in pieces if isinstance(data, bytes))
+
+    def raw(self, sample: Located) -> memoryview:
+        """The bytes of a sample read as one range, as they are (a row of a linked dataset's column:
+        `pipeline.outputs.attach`); its pages are released at `done`."""
+        with about_sample(sample.url, sample.key):
+            pieces = self._pieces(sample)
+        self.taken[sample.where] = [data for _, data, _ in pieces]
+        return memoryview(pieces[0][1])
+
+    def _pieces(self, sample: Located) -> Pieces:
+        if sample.where not in self.inflight:  # (asked for again: dropped from the open samples since)
+            self.ahead([sample])
+        future = self.inflight.pop(sample.where)
+        self.clock.mark()
+        self.sized[sample.url].result()
+        pieces = future.result()
+        self.clock.split("read")
+        return pieces
 
     def done(self, sample: Located) -> None:
         """A sample taken is decoded: its mapped pages leave this process's memory (`release_pages`)."""

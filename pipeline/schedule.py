@@ -135,7 +135,7 @@ class Schedule:
         ends = np.cumsum([len(unit) if self.grouped else 1 for _, unit in work]).tolist()
         per = [tuple(records[start:end]) if self.grouped else records[start]
                for start, end in zip([0] + ends[:-1], ends)]
-        return [*located.values(), *(r for row in records for r in row)], \
+        return [*located.values(), *(r for row in records for r in row if r is not None)], \
             [(located[where], unit, mine) for (where, unit), mine in zip(work, per)]
 
     def _wait_first_out(self) -> None:

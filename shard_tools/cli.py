@@ -1,9 +1,9 @@
 """`shard-pack`: pack datasets into shards (a subcommand per packing kind), index original archives
 in place (`index KIND`), read them back (`inspect`, `verify`; also a sidecar of outputs, written by
-`pipeline.OutputWriter`), measure and draw them as the loader reads them (`tune`, `preview`), and
-bring older datasets to the current schema (`upgrade`). The kinds' subcommands and flags come from
-the registry (`shard_tools.kinds`); the flags several subcommands share are parent parsers in
-`shard_tools.flags`.
+`pipeline.OutputWriter`), link an embeddings dataset's vectors to another's samples by key
+(`link`), measure and draw them as the loader reads them (`tune`, `preview`), and bring older
+datasets to the current schema (`upgrade`). The kinds' subcommands and flags come from the registry
+(`shard_tools.kinds`); the flags several subcommands share are parent parsers in `shard_tools.flags`.
 
 Exit codes: 0 done; 1 the data has problems (no sample to pack or index, too many skipped inputs,
 an input that is not what it says: a `.tar` that is not a tar archive, annotations that are not
@@ -32,6 +32,7 @@ from pipeline.storage import read_manifest
 from shard_tools.flags import Command, Subparsers, allow, fractions, quiet, storage, summary, workers
 from shard_tools.index import index_archives
 from shard_tools.kinds import KINDS, KindOption
+from shard_tools.link import add_link, run_link
 from shard_tools.outputs import describe_sidecar, is_sidecar, verify_sidecar
 from shard_tools.pack import TooManySkipped, parse_splits
 from shard_tools.preview import preview, write_png
@@ -238,6 +239,7 @@ COMMANDS: dict[str, Command] = {
     "index": Command(_add_index, _index),
     "inspect": Command(_add_inspect, _inspect),
     "verify": Command(_add_verify, _verify),
+    "link": Command(add_link, run_link),
     "upgrade": Command(_add_upgrade, _upgrade),
     "tune": Command(_add_tune, _tune),
     "preview": Command(_add_preview, _preview),
@@ -245,7 +247,8 @@ COMMANDS: dict[str, Command] = {
 
 
 _ABOUT = ("`shard-pack`: pack datasets into shards ({packing}), index original archives in place ({indexed}), "
-          "read them back (`inspect`, `verify`; also a sidecar of outputs), measure and draw them as the loader "
+          "read them back (`inspect`, `verify`; also a sidecar of outputs), link a dataset's vectors to "
+          "another's samples by key (`link`), measure and draw them as the loader "
           "reads them (`tune`, `preview`), and bring older datasets to the current schema (`upgrade`).")
 
 

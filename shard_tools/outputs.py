@@ -26,6 +26,7 @@ from pipeline.index import SplitIndex, locate
 from pipeline.outputs.writer import committed, listing, read_outputs
 from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, shard_url
 from pipeline.tario import BLOCK, parse_sample
+from shard_tools.link import check_rows, linked_shards
 
 __all__ = ["describe_sidecar", "is_sidecar", "verify_sidecar"]
 
@@ -83,10 +84,16 @@ def describe_sidecar(root: str, storage_options: dict[str, Any] | None = None, r
     manifest = sidecar.manifest
     if manifest is not None:
         lines = [f"sidecar {root}", *_of_lines(manifest.of), _keys_line(manifest.keyed), *_field_lines(manifest.fields)]
+        if (linked := manifest.linked) is not None:
+            lines.append(f"linked to {linked.dataset} (fingerprint {linked.fingerprint[:16]}, split "
+                         f"{linked.split}): each sample's record is the row of its field {linked.field} whose "
+                         f"{linked.id_field} is the number {linked.key_pattern!r} finds in the sample's key (base "
+                         f"{linked.key_base})")
         for folder, (chunks, indexes) in sorted(manifest.epochs.items()):
             records = sum(item_index_items(ref.bytes) for source in indexes for ref in source)
-            lines.append(f"{_label(folder)}: complete, {len(chunks)} chunks, {sum(c.bytes for c in chunks)} bytes, "
-                         f"{records} records")
+            held = f"{records} records in the linked dataset's shards" if linked else \
+                f"{len(chunks)} chunks, {sum(c.bytes for c in chunks)} bytes, {records} records"
+            lines.append(f"{_label(folder)}: complete, {held}")
     else:
         first = next(iter(next(iter(sidecar.writing.values())).values()))[0]
         lines = [f"sidecar {root}: no outputs.json yet (written once every rank's share of an epoch is committed)",
@@ -253,7 +260,8 @@ def verify_sidecar(root: str, *, datasets: Sequence[str] = (), progress: bool = 
         problems.append(f"{join(root, OUTPUTS_NAME)}: missing: no epoch is complete yet")
     for folder in epochs:
         assert manifest is not None
-        problems += _check_epoch(reader, manifest, folder, _Records(manifest.fields, manifest.keyed, samples), bar)
+        problems += _check_linked(reader, manifest, samples, storage_options, retry) if manifest.linked else \
+            _check_epoch(reader, manifest, folder, _Records(manifest.fields, manifest.keyed, samples), bar)
     for folder, ranks in sidecar.writing.items():
         problems += _check_writing(reader, folder, ranks, bar)
     bar.close()
@@ -322,7 +330,7 @@ def _check_epoch(reader: ShardReader, manifest: OutputsManifest, folder: str, re
                         f"outputs are of {len(items)}")
     tables = [np.zeros((0, 5), dtype=np.int64)]
     for source, refs in enumerate(indexes):
-        found, table, count = _check_indexes(reader, folder, refs, chunks, records.samples, source)
+        found, table, count = _check_indexes(reader, folder, refs, [c.bytes for c in chunks], records.samples, source)
         problems += found
         tables.append(table)
         if source < len(items) and count != items[source]:
@@ -336,11 +344,11 @@ def _check_epoch(reader: ShardReader, manifest: OutputsManifest, folder: str, re
     return problems
 
 
-def _check_indexes(reader: ShardReader, folder: str, refs: Sequence[FileRef], chunks: Sequence[FileRef],
-                   samples: _Samples | None, source: int) -> tuple[list[str], np.ndarray, int]:
-    """A source's item indexes, each read whole and checked (SHA-256, `unpack_item_index`; with the
-    datasets, one per shard, of its shard's items): its rows (chunk, source, item, start, end), and
-    the items they hold as the manifest lists them."""
+def _check_indexes(reader: ShardReader, folder: str, refs: Sequence[FileRef], sizes: Sequence[int],
+                   samples: _Samples | None, source: int, linked: bool = False) -> tuple[list[str], np.ndarray, int]:
+    """A source's item indexes, each read whole and checked (SHA-256, `unpack_item_index` with the
+    chunks' `sizes`; with the datasets, one per shard, of its shard's items): its rows (chunk,
+    source, item, start, end), and the items they hold as the manifest lists them."""
     problems, tables, first = [], [np.zeros((0, 5), dtype=np.int64)], 0
     split = samples.sources[source] if samples is not None and source < len(samples.sources) else None
     if split is not None and len(refs) != len(split.sizes):
@@ -356,7 +364,7 @@ def _check_indexes(reader: ShardReader, folder: str, refs: Sequence[FileRef], ch
         problems += found
         if data is not None:
             try:
-                table = unpack_item_index(data, count, chunks, url)
+                table = unpack_item_index(data, count, sizes, url, linked)
             except DatasetError as exc:
                 problems.append(str(exc))
             else:
@@ -364,6 +372,21 @@ def _check_indexes(reader: ShardReader, folder: str, refs: Sequence[FileRef], ch
                                                table[:, 1], table[:, 2]]).astype(np.int64))
         first += count
     return problems, np.concatenate(tables), first
+
+
+def _check_linked(reader: ShardReader, manifest: OutputsManifest, samples: _Samples | None,
+                  storage_options: dict[str, Any] | None, retry: Retry) -> list[str]:
+    """A linked sidecar: its embeddings the ones linked, its item indexes, and each record the row
+    its sample's key names (`shard_tools.link.check_rows`)."""
+    source, problems = linked_shards(manifest, storage_options, retry)
+    if source is None:
+        return problems
+    assert manifest.linked is not None
+    sizes = [s.bytes for s in source.splits[manifest.linked.split]]
+    refs = manifest.epochs[ALL_EPOCHS][1]
+    found, table, _ = _check_indexes(reader, ALL_EPOCHS, refs[0] if refs else (), sizes, samples, 0, True)
+    keys = samples.keys(table[:, 1], table[:, 2]) if samples is not None else None
+    return found + check_rows(manifest, source, table, keys, storage_options, retry)
 
 
 def _check_chunk(reader: ShardReader, ref: FileRef, rows: np.ndarray, records: _Records, bar: Any,

@@ -38,10 +38,13 @@ class PackingKind:
     """A kind on the packing side. `add(subparsers, name, dask)` adds its subcommand's parser (`dask`:
     its `--dask` help, as the CLI words it) and `run(args)` packs, returning the exit code (none: no
     subcommand); `index`: how `shard-pack index` finds its samples in archives (none: it cannot be
-    indexed in place); `preview`: how `preview` draws it; `options`: its loader options' flags."""
+    indexed in place); `preview`: how `preview` draws it; `options`: its loader options' flags;
+    `key_number`: the number in its samples' keys, a regular expression whose one group is it and
+    its base (`shard-pack link`'s default; none: no default)."""
 
     add: Callable[[Subparsers, str, str], argparse.ArgumentParser] | None = None
     run: Callable[[argparse.Namespace], int] | None = None
     index: Indexing | None = None
     preview: Drawing | None = None
     options: tuple[KindOption, ...] = ()
+    key_number: tuple[str, int] | None = None

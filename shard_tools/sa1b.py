@@ -330,7 +330,7 @@ def _box(corners: np.ndarray) -> list[int]:
 
 
 PACKING = PackingKind(
-    add=_add, run=_run,
+    add=_add, run=_run, key_number=(r"^sa_(\d+)$", 10),  # (sa_<image_id>)
     index=Indexing(_samples, _wanted, help="SA-1B .tar archives (sa_<id>.jpg + sa_<id>.json), every pair checked as "
                    "packing does", what="SA-1B as Meta ships it"),
     preview=Drawing(tiled(_tiles), shows="SA-1B: masks and boxes over the image"),

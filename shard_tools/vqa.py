@@ -48,7 +48,7 @@ from shard_tools.images import load_whole, resize_image
 from shard_tools.pack import PackError, PackOptions, PackSummary, Part, SampleRef, pack
 from shard_tools.plugin import KindOption, PackingKind
 
-__all__ = ["LAYOUTS", "PACKING", "VqaRef", "VqaSource", "detect_layout", "image_key", "pack_vqa"]
+__all__ = ["LAYOUTS", "PACKING", "VqaRef", "VqaSource", "detect_layout", "image_id", "image_key", "pack_vqa"]
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,15 @@ class VqaRef(SampleRef):
     questions: bytes = b""
 
 
+def image_id(path: str) -> int:
+    """An image path's 64-bit hash, its key's end: an embeddings id field's value (`shard-pack link`)."""
+    return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "big")
+
+
 def image_key(path: str) -> str:
     """The sample key of an image path: a readable prefix and a hash of the whole path (stable, unique)."""
     stem = re.sub(r"[^A-Za-z0-9_-]+", "_", posixpath.splitext(path)[0]).strip("_")[:60] or "image"
-    return check_key(f"{stem}-{hashlib.blake2b(path.encode(), digest_size=8).hexdigest()}")
+    return check_key(f"{stem}-{image_id(path):016x}")
 
 
 def detect_layout(records: Sequence[Any], file: str) -> str:
@@ -487,6 +492,7 @@ def _tiles(batch: dict[str, Any], tile: int) -> Tiles:
 
 PACKING = PackingKind(
     add=_add, run=_run, preview=Drawing(tiled(_tiles), shows="VQA: question and answer"),
+    key_number=(r"-([0-9a-f]{16})$", 16),  # (the image path's `image_id`)
     options=(KindOption("--image-size", "VQA (VQA: none = as stored)", int_or_none),
              KindOption("--per", "VQA", choices=("question", "image")),
              *(KindOption(f"--{name}", "VQA: Qwen2-VL's pixel budget, with --image-size none", int)

@@ -5,7 +5,8 @@ attached to the dataset on local disk, or to its copy in the bucket read by rang
 shard cache, with 0 or 2 workers, each sample gets the teacher's output of that very sample, bit
 for bit; and a write interrupted there and started again equals an uninterrupted one, object for
 object (the listing and commit logic: an interruption mid-chunk, a chunk without its commit, the
-epoch's indexes and manifest not written yet)."""
+epoch's indexes and manifest not written yet); a linked sidecar (`shard-pack link`) in the bucket
+attaches each sample's row of an embeddings dataset there, by range or through the cache."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from pipeline import OutputWriter, make_stream_loader
 from pipeline.errors import DatasetError
 from pipeline.storage import filesystem
+from shard_tools.link import link
 from shard_tools.samples import localazure, localgcs, locals3
 from conftest import new_bucket, split_keys
+from test_link import pack_vectors, vector
 from test_outputs import AUGMENTED, teacher
 
 os.environ.update({k: v for k, v in locals3.AWS_ENV.items() if k == "AWS_EC2_METADATA_DISABLED"})
@@ -225,3 +229,28 @@ def test_an_interrupted_write_started_again_equals_an_uninterrupted_one(store: S
     objects = store.objects(whole)
     assert store.objects(again) == objects
     assert len([n for n in objects if n.endswith(".tar")]) > 2
+
+
+@pytest.mark.parametrize("source", ["range", "cache"])
+def test_a_linked_sidecar_in_the_bucket_attaches_each_samples_row(store: Store, sa1b_dataset: str, remote_dataset: str,
+                                                                  tmp_path: pathlib.Path, source: str) -> None:
+    """Vectors of an embeddings dataset in the bucket, linked there (`shard-pack link`), read by range
+    or through the shard cache beside the dataset's copy in the bucket."""
+    keys = split_keys(sa1b_dataset)
+    ids = np.array([int(k.removeprefix("sa_")) for k in keys])
+    emb, fs = store.url(f"emb-{source}"), filesystem(store.url(""), store.options)[0]
+    fs.put(f"{pack_vectors(tmp_path, ids[::-1])}/", f"{filesystem(emb, store.options)[1]}/", recursive=True)
+    out = store.url(f"link-{source}")
+    link(emb, remote_dataset, "train", out, id_field="image_id", field="teacher", storage_options=store.options,
+         progress=False)
+    settings: dict[str, Any] = dict(cache_dir=str(tmp_path / "cache"), cache_limit=1 << 30) if source == "cache" else {}
+    loader = make_stream_loader(remote_dataset, "train", batch_size=2, drop_last=False, num_workers=2,
+                                storage_options=store.options, attach={"teacher": out}, allowed_roots=[emb],
+                                **settings, **AUGMENTED)
+    found = {}
+    for batch in loader:
+        found.update(zip(batch["keys"], batch["teacher"].numpy()))
+    loader.close()
+    assert sorted(found) == sorted(keys)
+    for key, row in found.items():
+        assert np.array_equal(row, vector(np.array([int(key.removeprefix("sa_"))]))[0])

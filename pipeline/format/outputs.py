@@ -17,6 +17,11 @@ A sidecar is a folder (or object-storage prefix) beside nothing: it names the da
 - `<epoch>/index/s<source>-<shard>.idx`: per shard of each source, the record of each plan item
   of the shard in item order (`pack_item_index`: chunk number, start, end), made when the epoch is
   complete. The manifest grows with chunks and shards, never with records.
+
+A linked sidecar (`shard-pack link`, `Linked`) holds no chunks: vectors an `embeddings` dataset
+holds already, matched to the samples by key. Its one folder, `all`, has the item indexes alone,
+and each record is a row's raw bytes in one field's column of that dataset: (shard number in its
+split, start, end), or (-1, 0, 0) for a sample it has no row for.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from pipeline.errors import ConfigError, DatasetError
 
 __all__ = ["OUTPUTS_NAME", "OUTPUTS_FORMAT", "OUTPUTS_VERSION", "OUTPUT_DTYPES", "ALL_EPOCHS", "OutputField",
            "Commit", "OutputsManifest", "FileRef", "epoch_folder", "chunk_name", "commit_name", "item_index_name",
-           "pack_item_index", "unpack_item_index", "item_index_items", "check_field_name", "record_key"]
+           "pack_item_index", "unpack_item_index", "item_index_items", "check_field_name", "record_key", "Linked",
+           "MISSING"]
 
 OUTPUTS_NAME = "outputs.json"
 OUTPUTS_FORMAT = "shardstream-outputs"
@@ -46,6 +52,7 @@ ALL_EPOCHS = "all"  # the one pass of outputs that do not change with the epoch
 _FIELD_RE = re.compile(r"[a-z][a-z0-9]{0,31}")
 _INDEX_MAGIC = b"SSOUTIDX"
 _INDEX_HEADER = struct.Struct("<8sIQ")  # magic, version, items
+MISSING = (-1, 0, 0)  # a linked sidecar's record of a sample its dataset has no row for
 
 
 def check_field_name(name: str) -> str:
@@ -181,6 +188,32 @@ class Commit:
 
 
 @dataclasses.dataclass(frozen=True)
+class Linked:
+    """What a linked sidecar's records lie in: the `embeddings` dataset at `dataset` (its manifest's
+    `fingerprint`), its `split`, and the column of its `field`; each sample matched to the row whose
+    `id_field` is the number `key_pattern`'s one group finds in the sample's key (in `key_base`)."""
+
+    dataset: str
+    fingerprint: str
+    split: str
+    field: str
+    id_field: str
+    key_pattern: str
+    key_base: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Linked:
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(obj, dict) or sorted(obj) != sorted(names) \
+                or not all(isinstance(obj[n], int if n == "key_base" else str) for n in names):
+            raise DatasetError(f"not a link to a column of vectors: {obj!r:.200}")
+        return cls(**obj)
+
+
+@dataclasses.dataclass(frozen=True)
 class OutputsManifest:
     """A sidecar's manifest (see the module docstring). `of`: what the outputs are of, compared with
     the loader that attaches them (`pipeline.outputs.attach`); `epochs`: per epoch folder, its
@@ -190,6 +223,7 @@ class OutputsManifest:
     fields: tuple[OutputField, ...]
     keyed: bool  # records named by their samples' keys (else by their plan items: `record_key`)
     epochs: dict[str, tuple[tuple[FileRef, ...], tuple[tuple[FileRef, ...], ...]]]
+    linked: Linked | None = None  # records in an embeddings dataset's column (`shard-pack link`), no chunks
 
     def field(self, name: str) -> OutputField:
         for field in self.fields:
@@ -201,9 +235,10 @@ class OutputsManifest:
         epochs = {folder: {"chunks": [c.to_json() for c in chunks], "indexes": [[i.to_json() for i in source]
                                                                                for source in indexes]}
                   for folder, (chunks, indexes) in sorted(self.epochs.items())}
+        linked = {} if self.linked is None else {"linked": self.linked.to_json()}
         return json.dumps({"format": OUTPUTS_FORMAT, "version": OUTPUTS_VERSION, "of": self.of,
-                           "fields": [f.to_json() for f in self.fields], "keyed": self.keyed, "epochs": epochs},
-                          sort_keys=True, indent=1).encode()
+                           "fields": [f.to_json() for f in self.fields], "keyed": self.keyed, "epochs": epochs,
+                           **linked}, sort_keys=True, indent=1).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, url: str) -> OutputsManifest:
@@ -224,8 +259,11 @@ class OutputsManifest:
                 epochs[folder] = (tuple(FileRef.from_json(c, folder) for c in entry["chunks"]),
                                   tuple(tuple(FileRef.from_json(i, folder) for i in source)
                                         for source in entry["indexes"]))
+            linked = None if obj.get("linked") is None else Linked.from_json(obj["linked"])
+            if linked is not None and (set(epochs) != {ALL_EPOCHS} or epochs[ALL_EPOCHS][0]):
+                raise DatasetError("a linked sidecar has one folder, all, and no chunks")
             return cls(dict(obj["of"]), tuple(OutputField.from_json(f) for f in obj["fields"]), bool(obj["keyed"]),
-                       epochs)
+                       epochs, linked)
         except (KeyError, TypeError, AttributeError, DatasetError) as exc:
             raise DatasetError(f"invalid sidecar manifest: {exc}", url=url) from exc
 
@@ -241,8 +279,10 @@ def item_index_items(size: int) -> int:
     return max(0, (size - _INDEX_HEADER.size) // 24)
 
 
-def unpack_item_index(data: bytes | memoryview, items: int, chunks: Sequence[FileRef], url: str) -> np.ndarray:
-    """`pack_item_index`'s array, checked: `items` rows, each a record inside a listed chunk."""
+def unpack_item_index(data: bytes | memoryview, items: int, sizes: Sequence[int], url: str,
+                      linked: bool = False) -> np.ndarray:
+    """`pack_item_index`'s array, checked: `items` rows, each a record inside a chunk (of `sizes`
+    bytes each; `linked`: a shard of the linked dataset, or `MISSING`)."""
     data = memoryview(data)
     if len(data) < _INDEX_HEADER.size:
         raise DatasetError("truncated item index", url=url)
@@ -252,10 +292,11 @@ def unpack_item_index(data: bytes | memoryview, items: int, chunks: Sequence[Fil
         raise DatasetError(f"not an item index of {items} items (magic {magic!r}, version {version}, {count} items, "
                            f"{len(data)} bytes)", url=url)
     table = np.frombuffer(data[_INDEX_HEADER.size:], dtype="<i8").reshape(items, 3)
-    sizes = np.array([c.bytes for c in chunks], dtype=np.int64)
     chunk, start, end = table[:, 0], table[:, 1], table[:, 2]
-    ok = (chunk >= 0) & (chunk < len(chunks)) & (start >= 0) & (start < end)
-    if not ok.all() or (end > sizes[np.clip(chunk, 0, max(len(chunks) - 1, 0))]).any():
+    missing = (table == MISSING).all(axis=1) if linked else np.zeros(len(table), dtype=bool)
+    ends = np.array(sizes, dtype=np.int64)[np.clip(chunk, 0, max(len(sizes) - 1, 0))] if len(sizes) else end - 1
+    ok = missing | ((chunk >= 0) & (chunk < len(sizes)) & (start >= 0) & (start < end) & (end <= ends))
+    if not ok.all():
         raise DatasetError("an item index names a record outside the chunks the manifest lists", url=url)
     return table
 

@@ -7,7 +7,12 @@ to (`check_epoch`). In each worker, for a batch's plan items (`locate`): the rec
 its shard's item index (fetched when the shard is first touched, kept), is located as one more
 sample to read, in the same read-ahead, through the same readers (mapped local chunks, ranged
 reads or the shard cache); `take` checks it (its tar members named by the sample's key, a fixed
-field of its exact size) and `collate` copies the rows into the batch's shared buffers."""
+field of its exact size) and `collate` copies the rows into the batch's shared buffers.
+
+A linked sidecar (`shard-pack link`) has item indexes alone: its records are rows of an embeddings
+dataset's column, read from that dataset's shards as they are (`SampleReads.raw`, size checked); a
+sample it has no row for is a SampleError naming it (a skip counted, under on_error="skip"), found
+before the sample is decoded."""
 
 from __future__ import annotations
 
@@ -25,11 +30,15 @@ from pipeline.collate import empty
 from pipeline.errors import ConfigError, DatasetError, SampleError
 from pipeline.format import Manifest, ShardInfo, unpack_record
 from pipeline.format.outputs import (
-    ALL_EPOCHS, OUTPUTS_NAME, FileRef, OutputField, OutputsManifest, epoch_folder, record_key, unpack_item_index,
+    ALL_EPOCHS, MISSING, OUTPUTS_NAME, FileRef, OutputField, OutputsManifest, epoch_folder, record_key,
+    unpack_item_index,
 )
 from pipeline.index import Located, SplitIndex
 from pipeline.outputs.of import outputs_of, refusal
-from pipeline.storage import Retry, filesystem, join, read_range, release_pages, shard_url, with_retries
+from pipeline.storage import (
+    Retry, filesystem, join, read_manifest, read_range, release_pages, shard_url, with_retries,
+)
+from pipeline.storage.places import ALLOW, within
 from pipeline.storage.reader import ShardReader
 
 __all__ = ["Attachments", "Sidecar"]
@@ -40,11 +49,29 @@ _SOURCE_BITS = 40  # (source, item) of a record packed in one int: its `where`
 @dataclasses.dataclass(frozen=True, eq=False)
 class Sidecar:
     """One sidecar a loader reads: its place, manifest and the fields taken from it (batch name ->
-    the sidecar's field)."""
+    the sidecar's field); linked, the shards of the dataset its records lie in."""
 
     root: str
     manifest: OutputsManifest
     fields: tuple[tuple[str, OutputField], ...]
+    shards: tuple[ShardInfo, ...] = ()
+
+    @property
+    def records_root(self) -> str:
+        """Where its records lie: its own folder, or the dataset it is linked to."""
+        return self.root if self.manifest.linked is None else self.manifest.linked.dataset
+
+    def sizes(self, folder: str) -> list[int]:
+        """The bytes of each file an item index's chunk numbers name."""
+        if self.manifest.linked is not None:
+            return [s.bytes for s in self.shards]
+        return [c.bytes for c in self.manifest.epochs[folder][0]]
+
+    def chunk(self, folder: str, number: int) -> tuple[ShardInfo, str]:
+        """A record's chunk (or linked shard), and its URL."""
+        linked = self.manifest.linked is not None
+        info = self.shards[number] if linked else _info(self.manifest.epochs[folder][0][number])
+        return info, shard_url(self.records_root, info.name)
 
     def folder(self, epoch: int) -> str:
         return epoch_folder(epoch) if self.manifest.of["by_epoch"] else ALL_EPOCHS
@@ -80,10 +107,10 @@ class Attachments:
 
     @classmethod
     def of(cls, attach: Mapping[str, str], manifests: Sequence[Manifest], split: str, kind: Any,
-           sources: Sequence[SplitIndex], seed: int, storage_options: dict[str, Any] | None,
-           retry: Retry) -> Attachments:
+           sources: Sequence[SplitIndex], config: Any) -> Attachments:
         """The sidecars of `attach` (batch field -> sidecar place), each checked against the loader
-        (the epochs each holds: when the loader is set to one, `check_epoch`)."""
+        (`config`: its seed, storage and allowed roots; the epochs each holds: when the loader is set
+        to one, `check_epoch`)."""
         if not attach:
             return cls((), sources, kind)
         taken = {f.name for f in kind.fields(0)}
@@ -94,8 +121,8 @@ class Attachments:
             by_root.setdefault(root, []).append(name)
         sidecars = []
         for root, names in by_root.items():
-            manifest = _read_manifest(root, storage_options, retry)
-            here = outputs_of(manifests, split, kind, [int(s.sizes.sum()) for s in sources], seed,
+            manifest = _read_manifest(root, config.storage_options, config.retry)
+            here = outputs_of(manifests, split, kind, [int(s.sizes.sum()) for s in sources], config.seed,
                               manifest.of.get("inputs"))
             problem = refusal(manifest.of, here)
             if problem:
@@ -104,7 +131,8 @@ class Attachments:
             missing = [n for n in names if n not in have]
             if missing:
                 raise ConfigError(f"attach: {root} has no field {missing[0]!r}; it has {sorted(have)}")
-            sidecars.append(Sidecar(root, manifest, tuple((n, have[n]) for n in names)))
+            shards = () if manifest.linked is None else _linked_shards(root, manifest, config)
+            sidecars.append(Sidecar(root, manifest, tuple((n, have[n]) for n in names), shards))
         return cls(sidecars, sources, kind)
 
     def check_epoch(self, epoch: int) -> None:
@@ -116,9 +144,13 @@ class Attachments:
                                   "(its samples change with the epoch: write that epoch's outputs too)")
 
     def readers(self, config: Any, cache: Any) -> list[ShardReader]:
-        """A reader per sidecar (in the process that reads), after the sources'."""
-        return [ShardReader(s.root, config.storage_options, config.retry, cache, None, config.index_cache_bytes)
-                for s in self.sidecars]
+        """The readers of the sidecars' records, then of their item indexes (in the process that reads),
+        after the sources': the same one but for a linked sidecar's."""
+        records = [ShardReader(s.records_root, config.storage_options, config.retry, cache, None,
+                               config.index_cache_bytes) for s in self.sidecars]
+        return records + [reader if s.manifest.linked is None else
+                          ShardReader(s.root, config.storage_options, config.retry, cache)
+                          for s, reader in zip(self.sidecars, records)]
 
     def _table(self, number: int, reader: ShardReader, folder: str, source: int, shard: int) -> np.ndarray:
         """A shard's item index in a sidecar's epoch folder: fetched when first asked for, then kept."""
@@ -128,13 +160,13 @@ class Attachments:
                 self._indexes.move_to_end(key)
                 return self._indexes[key]
         sidecar = self.sidecars[number]
-        chunks, indexes = sidecar.manifest.epochs[folder]
-        ref = indexes[source][shard]
+        ref = sidecar.manifest.epochs[folder][1][source][shard]
         url = shard_url(sidecar.root, ref.name)
         data = bytes(reader.way(_info(ref)).read(0, ref.bytes))
         if hashlib.sha256(data).hexdigest() != ref.sha256:
             raise DatasetError("item index does not match the SHA-256 its sidecar's manifest lists", url=url)
-        table = unpack_item_index(data, int(self.sources[source].sizes[shard]), chunks, url)
+        table = unpack_item_index(data, int(self.sources[source].sizes[shard]), sidecar.sizes(folder), url,
+                                  sidecar.manifest.linked is not None)
         with self._lock:
             self._indexes[key] = table
             while len(self._indexes) > 256:
@@ -142,14 +174,14 @@ class Attachments:
         return table
 
     def locate(self, readers: Sequence[ShardReader], epoch: int, sources: np.ndarray, items: np.ndarray,
-               keys: Sequence[str]) -> list[tuple[Located, ...]]:
+               keys: Sequence[str]) -> list[tuple[Located | None, ...]]:
         """Each row's records (a batch's plan items, in the batch's row order, with their samples' keys):
-        one per sidecar, as samples to read (their `where` after the sources')."""
+        one per sidecar, as samples to read (their `where` after the sources'; None: a linked
+        sidecar's missing row)."""
         first = len(self.sources)
-        rows: list[list[Located]] = [[] for _ in keys]
+        rows: list[list[Located | None]] = [[] for _ in keys]
         for number, sidecar in enumerate(self.sidecars):
-            folder, reader = sidecar.folder(epoch), readers[first + number]
-            chunks = sidecar.manifest.epochs[folder][0]
+            folder, reader = sidecar.folder(epoch), readers[first + len(self.sidecars) + number]
             found = np.empty((len(items), 3), dtype=np.int64)  # each row's (chunk, start, end)
             for source in np.unique(sources).tolist():
                 mine = np.flatnonzero(sources == source)
@@ -160,39 +192,28 @@ class Attachments:
                     found[at] = self._table(number, reader, folder, source, shard)[items[at] - index.first_item[shard]]
             for row, (source, item, key, (chunk, start, end)) in enumerate(zip(sources.tolist(), items.tolist(), keys,
                                                                               found.tolist())):
-                ref = chunks[chunk]
-                rows[row].append(Located((first + number, source << _SOURCE_BITS | item), _info(ref),
-                                         shard_url(sidecar.root, ref.name), record_key(key, source, item,
-                                                                                      sidecar.manifest.keyed),
-                                         1, ((start, end, None),)))
+                if (chunk, start, end) == MISSING:
+                    rows[row].append(None)
+                    continue
+                info, url = sidecar.chunk(folder, chunk)
+                rows[row].append(Located((first + number, source << _SOURCE_BITS | item), info, url,
+                                         record_key(key, source, item, sidecar.manifest.keyed), 1,
+                                         ((start, end, None),)))
         return [tuple(r) for r in rows]
 
-    def take(self, reads: Any, records: tuple[Located, ...]) -> dict[str, Any]:
-        """One row's attached values (fixed fields as views of their raw bytes: copied, and their mapped
-        pages released, by `collate`), checked: a record holds exactly its sidecar's fields, named by
-        the sample's key."""
-        values: dict[str, Any] = {}
-        for sidecar, record in zip(self.sidecars, records):
-            members, _ = reads.take(record)
-            reads.done(record)
-            have = {f.name for f in sidecar.manifest.fields}
-            if set(members) != have:
-                raise SampleError(f"record holds {sorted(members)}, the sidecar's fields are {sorted(have)}",
-                                  url=record.url, key=record.key)
-            for name, field in sidecar.fields:
-                data = members[field.name]
-                if field.fixed:
-                    if len(data) != field.nbytes:
-                        raise SampleError(f"{len(data)} bytes, {field.describe()} is {field.nbytes}", url=record.url,
-                                          key=record.key, field=field.name)
-                    values[name] = data
-                else:
-                    record_map = unpack_record(bytes(data))
-                    if set(record_map) != {"v"}:
-                        raise SampleError("not an output value (want a map {v: value})", url=record.url,
-                                          key=record.key, field=field.name)
-                    values[name] = record_map["v"]
-        return values
+    def take(self, reads: Any, rows: Sequence[tuple[Located | None, ...]], key: str) -> list[dict[str, Any]]:
+        """The attached values of a sample's rows (fixed fields as views of their raw bytes: copied,
+        and their mapped pages released, by `collate`), checked: a record holds exactly its sidecar's
+        fields, named by the sample's key (a linked sidecar's: the row's bytes, of the field's size).
+        A row a linked sidecar lacks is an error before any is read."""
+        for row in rows:
+            for sidecar, record in zip(self.sidecars, row):
+                if record is None:
+                    linked = sidecar.manifest.linked
+                    assert linked is not None
+                    raise SampleError(f"no output: the dataset it links, {linked.dataset}, has no row whose "
+                                      f"{linked.id_field} is this sample's", url=sidecar.root, key=key)
+        return [_values(self.sidecars, reads, row, key) for row in rows]
 
     def collate(self, rows: Sequence[dict[str, Any]], batch: Any) -> None:
         """The rows' attached values into the batch in transit (fixed fields: one tensor each)."""
@@ -230,5 +251,57 @@ class Attachments:
         return samples
 
 
+def _values(sidecars: Sequence[Sidecar], reads: Any, records: tuple[Located | None, ...], key: str) -> dict[str, Any]:
+    """One row's attached values (see `Attachments.take`)."""
+    values: dict[str, Any] = {}
+    for sidecar, record in zip(sidecars, records):
+        linked = sidecar.manifest.linked
+        assert record is not None
+        if linked is not None:
+            (name, field), = sidecar.fields
+            values[name] = reads.raw(record)
+            reads.done(record)
+            if len(values[name]) != field.nbytes:
+                raise SampleError(f"{len(values[name])} bytes, {field.describe()} is {field.nbytes}",
+                                  url=record.url, key=key, field=linked.field)
+            continue
+        members, _ = reads.take(record)
+        reads.done(record)
+        have = {f.name for f in sidecar.manifest.fields}
+        if set(members) != have:
+            raise SampleError(f"record holds {sorted(members)}, the sidecar's fields are {sorted(have)}",
+                              url=record.url, key=record.key)
+        for name, field in sidecar.fields:
+            data = members[field.name]
+            if field.fixed:
+                if len(data) != field.nbytes:
+                    raise SampleError(f"{len(data)} bytes, {field.describe()} is {field.nbytes}", url=record.url,
+                                      key=record.key, field=field.name)
+                values[name] = data
+            else:
+                record_map = unpack_record(bytes(data))
+                if set(record_map) != {"v"}:
+                    raise SampleError("not an output value (want a map {v: value})", url=record.url,
+                                      key=record.key, field=field.name)
+                values[name] = record_map["v"]
+    return values
+
+
 def _info(ref: FileRef) -> ShardInfo:
     return ShardInfo(ref.name, 0, 0, ref.bytes, ref.sha256, None)
+
+
+def _linked_shards(root: str, manifest: OutputsManifest, config: Any) -> tuple[ShardInfo, ...]:
+    """The shards a linked sidecar's records lie in, checked: the dataset is one the user allows
+    (inside the sidecar's folder, or under `allowed_roots`), the one linked (its fingerprint), and its
+    field the sidecar's dtype and shape."""
+    linked = manifest.linked
+    assert linked is not None
+    if not any(within(linked.dataset, place) for place in (root, *config.allowed_roots)):
+        raise ConfigError(f"attach: {root} is linked to {linked.dataset}, outside its folder: allow it with {ALLOW}")
+    dataset = read_manifest(linked.dataset, config.storage_options, config.retry)
+    if dataset.fingerprint != linked.fingerprint or linked.split not in dataset.splits:
+        raise ConfigError(f"attach: {root} was linked to another version of {linked.dataset} (fingerprint "
+                          f"{linked.fingerprint[:16]}, split {linked.split!r}; it has {dataset.fingerprint[:16]}, "
+                          f"{sorted(dataset.splits)}): link it again")
+    return tuple(dataset.splits[linked.split])

@@ -11,16 +11,21 @@ from typing import Any
 from pipeline.format import Manifest
 from pipeline.state import describe, differences
 
-__all__ = ["outputs_of", "refusal"]
+__all__ = ["KEYS", "outputs_of", "refusal"]
+
+KEYS = ("keys",)  # the inputs of outputs of the sample's key alone (a linked sidecar's): no option, no epoch
 
 
 def outputs_of(manifests: Sequence[Manifest], split: str, kind: Any, items: Sequence[int], seed: int,
                inputs: Sequence[str] | None) -> dict[str, Any]:
     """The identity of outputs computed from `inputs` (batch fields; None: the whole sample) of a
     loader's samples: the seed only where those fields change with the epoch, the kind options
-    that shape them only (`Kind.depends`)."""
-    varies, shaping = kind.depends(None if inputs is None else frozenset(inputs))
-    options = describe(kind.options)
+    that shape them only (`Kind.depends`; of `KEYS`, none: `kind` may be None)."""
+    if inputs is not None and tuple(inputs) == KEYS:
+        varies, shaping, options = False, frozenset(), {}
+    else:
+        varies, shaping = kind.depends(None if inputs is None else frozenset(inputs))
+        options = describe(kind.options)
     return {"datasets": [m.fingerprint for m in manifests], "split": split, "items": [int(n) for n in items],
             "kind": manifests[0].kind, "inputs": None if inputs is None else sorted(inputs),
             "options": {name: value for name, value in options.items() if name in shaping},
