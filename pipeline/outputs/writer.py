@@ -97,12 +97,12 @@ def _columns(outputs: Mapping[str, Any], rows: int) -> tuple[tuple[OutputField, 
 
 
 class _Buffer:
-    """A chunk's bytes as they are appended, and their SHA-256: made at `capacity` (a chunk and some
-    more), grown only by a batch that overshoots it, and kept for the chunk after next once written
-    (fresh memory costs a page fault per 4 KiB: as much as the copy itself)."""
+    """A chunk's bytes as they are appended: made at `capacity` (a chunk and some more), grown only
+    by a batch that overshoots it, and kept for the chunk after next once written (fresh memory
+    costs a page fault per 4 KiB: as much as the copy itself)."""
 
     def __init__(self, capacity: int) -> None:
-        self.array, self.size, self.sha = np.empty(0, np.uint8), 0, hashlib.sha256()
+        self.array, self.size = np.empty(0, np.uint8), 0
         self.capacity = capacity
 
     def add(self, data: Any) -> None:
@@ -113,18 +113,17 @@ class _Buffer:
             self.array = grown
         self.array[self.size : self.size + size] = np.frombuffer(data, np.uint8)
         self.size += size
-        self.sha.update(data)
 
     def view(self) -> memoryview:
         return memoryview(self.array)[: self.size]
 
     def reset(self) -> None:
-        self.size, self.sha = 0, hashlib.sha256()
+        self.size = 0
 
 
 class _Chunks:
-    """A rank's chunks in one epoch folder: records appended to the chunk in progress (copied and
-    hashed in the loop's thread), each chunk committed (written whole, then its commit) in a thread
+    """A rank's chunks in one epoch folder: records appended to the chunk in progress (copied in the
+    loop's thread), each chunk committed (hashed, written whole, then its commit) in a thread
     of its own while the loop goes on, one at a time."""
 
     def __init__(self, writer: OutputWriter, number: int) -> None:
@@ -154,12 +153,13 @@ class _Chunks:
         self.wait()  # (the chunk before: its buffer is free again)
         self.data, self._spare, self.records = self._spare, full, []
         self.data.reset()
-        self._pending = self._thread.submit(self._store, full.view(), full.sha.hexdigest(), self.number, records,
+        self._pending = self._thread.submit(self._store, full.view(), self.number, records,
                                             state, (*schema, last))
         self.number += 1
 
-    def _store(self, data: memoryview, digest: str, number: int, records: np.ndarray, state: dict[str, Any],
+    def _store(self, data: memoryview, number: int, records: np.ndarray, state: dict[str, Any],
                schema: tuple[tuple[OutputField, ...], bool, bool]) -> None:
+        digest = hashlib.sha256(data).hexdigest()  # (here, not in the loop's thread: hashlib lets go of the GIL)
         write_bytes(self.fs, join(self.base, chunk_name(self.folder, self.rank, number)), data, self.retry)
         batches = int(sum(n for _, n in state["history"]))  # (the rank's, with this chunk's)
         commit = Commit(self.rank, self.world_size, number, len(data), digest, records, batches, state, *schema,
