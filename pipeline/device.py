@@ -3,18 +3,19 @@ the pixel work a device stage does there, in torch, the same code on "cpu" and "
 rasterised from their COCO runs, JPEGs decoded, resized with antialiasing, cropped and mirrored into a
 padded canvas.
 
-Masks (`run_raster`): each output pixel samples one source pixel, `rle.nearest_index`'s or
-`rle.affine_index`'s rule, whose column-major index is searched in the masks' cumulative run ends (all
-masks' runs concatenated: mask i's pixels are [i x H x W, (i + 1) x H x W) of that sum); a pixel in an
-odd run of its mask is foreground. No full-size raster, no loop over pixels: one search per output
-pixel, in chunks (`MASK_CHUNK`) that bound the stage's scratch memory. The same masks as `rle.bits_at`,
+Masks (`run_raster`), as `pipeline.rle` makes them on the CPU: each output pixel samples one source
+pixel (`rle.nearest_index`'s or `rle.affine_index`'s rule), and the sampled pixels' column-major
+indices are sorted, so each run covers a contiguous slice of the output. One search of every run's
+end among the sampled indices gives the slices, and a cumulative count of the runs ended before each
+output pixel its run (odd runs are 1s), all of a sample's masks at once: O(runs x log pixels + pixels),
+no full-size raster, and no host synchronisation on a GPU. The same masks as `rle.bits_at`,
 bit for bit (tests/test_device.py).
 
 Images: on a CUDA device the batch's JPEGs are decoded in one call (torchvision's nvJPEG `decode_jpeg`,
 imported only then: PyPI's torchvision is built for CUDA torch and does not load beside a CPU build); on
 the CPU, and for what nvJPEG refuses, by `images.decode_image` at full scale. `resized` then filters them
-to the frame as the CPU path does (antialiased bilinear), in float32, which CUDA's kernel needs: within a
-level of the CPU path's uint8 kernel.
+to the frame as the CPU path does (antialiased bilinear): on the CPU by the CPU path's uint8 kernel, on
+CUDA in float32, which its kernel needs: within a level of the uint8 kernel.
 """
 
 from __future__ import annotations
@@ -28,35 +29,37 @@ import torch.nn.functional as F
 
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 
-__all__ = ["to_device", "prefetch_to_cuda", "MASK_CHUNK", "run_raster", "decode_jpegs", "resized", "Placement",
+__all__ = ["to_device", "prefetch_to_cuda", "run_raster", "decode_jpegs", "resized", "Placement",
            "place"]
 
-MASK_CHUNK = 1 << 22  # output pixels searched at once: 2 x 32 MiB of int64 scratch at most
-
-
 def run_raster(runs: torch.Tensor, runs_per: torch.Tensor, size: tuple[int, int], ys: torch.Tensor,
-               xs: torch.Tensor) -> torch.Tensor:
+               xs: torch.Tensor, mirrored: bool = False) -> torch.Tensor:
     """Masks (k, len(ys), len(xs)) bool, on the runs' device: k masks of `size` (H, W), their run lengths
     (column-major, 0s first, alternating) concatenated in `runs`, `runs_per[i]` of them mask i's, each
     mask's covering H x W pixels (as `rle.parse` checked them), sampled at source rows `ys` and columns
-    `xs` (reversed `xs`: mirrored). Equals `rle.bits_at(parsed, ys, xs)` unpacked."""
+    `xs` (non-decreasing, as `rle.nearest_index` and `rle.affine_index` give them); with `mirrored`, the
+    columns in reverse order. Equals `rle.bits_at(parsed, ys, xs, mirrored)` unpacked."""
     (height, width), device = size, runs.device
-    k = len(runs_per)
-    out = torch.empty((k, len(ys), len(xs)), dtype=torch.bool, device=device)
-    if not out.numel():
-        return out
-    ends = torch.cumsum(runs.to(torch.int64), 0)
+    k, h, w = len(runs_per), len(ys), len(xs)
+    if not (k and h and w):
+        return torch.zeros((k, h, w), dtype=torch.bool, device=device)
     runs_per = runs_per.to(torch.int64)
     first = torch.cumsum(runs_per, 0) - runs_per
-    within = torch.arange(len(runs), device=device) - torch.repeat_interleave(first, runs_per, output_size=len(runs))
-    odd = (within & 1).bool()  # (a run of 1s)
-    pixel = xs.to(torch.int64)[None, :] * height + ys.to(torch.int64)[:, None]  # (h, w) column-major source index
-    step = max(1, MASK_CHUNK // pixel.numel())
-    for start in range(0, k, step):
-        masks = torch.arange(start, min(k, start + step), device=device)
-        at = masks[:, None, None] * (height * width) + pixel
-        out[start : start + len(masks)] = odd[torch.searchsorted(ends, at, right=True)]
-    return out
+    ends = torch.cumsum(runs.to(torch.int64), 0)  # (over all masks: mask i's pixels are [i, i + 1) x H x W)
+    xs, ys = xs.to(torch.int64), ys.to(torch.int64)
+    repeat = torch.zeros(w, dtype=torch.bool, device=device)  # a column sampled again (a frame wider than W)
+    repeat[1:] = xs[1:] == xs[:-1]
+    first_of = torch.cummax(torch.where(repeat, 0, torch.arange(w, device=device)), 0).values
+    sampled = xs[:, None] * height + ys[None, :]
+    sampled = torch.where(repeat[:, None], sampled[:, -1:], sampled).flatten()  # sorted: repeats copied below
+    mask, pixel = ends.div(height * width, rounding_mode="floor"), ends.remainder(height * width)
+    before = mask * (h * w) + torch.searchsorted(sampled, pixel)  # output pixels before each run's end
+    ended = torch.zeros(k * h * w + 1, dtype=torch.int32, device=device)
+    ended.index_add_(0, before, torch.ones_like(before, dtype=torch.int32))
+    # An output pixel's run, within its mask: the mask's runs ended at or before it. Odd runs are 1s.
+    count = torch.cumsum(ended[:-1], 0, dtype=torch.int32).view(k, h * w).sub_(first[:, None].to(torch.int32))
+    masks = count.bitwise_and_(1).bool().view(k, w, h)[:, first_of].transpose(1, 2)
+    return masks.flip(-1) if mirrored else masks
 
 
 def decode_jpegs(data: Sequence[torch.Tensor], device: torch.device, where: Sequence[tuple[str, str]],
@@ -91,11 +94,14 @@ def _nvjpeg(data: Sequence[torch.Tensor], device: torch.device) -> list[torch.Te
     return decoded
 
 
-def resized(pixels: torch.Tensor, frame: tuple[int, int]) -> torch.Tensor:
-    """(3, h, w) uint8 at `frame` (h, w) by antialiased bilinear filtering (`images.decode_image`'s), in
-    float32 and rounded; as it is when already at `frame`."""
+def resized(pixels: torch.Tensor, frame: tuple[int, int], in_float: bool | None = None) -> torch.Tensor:
+    """(3, h, w) uint8 at `frame` (h, w) by antialiased bilinear filtering (`images.decode_image`'s), as
+    it is when already at `frame`. On the CPU torch's uint8 kernel (the CPU path's); on CUDA, whose
+    kernel takes no uint8 (or with `in_float`), in float32, rounded: within a level of it."""
     if tuple(pixels.shape[1:]) == tuple(frame):
         return pixels
+    if not (pixels.is_cuda if in_float is None else in_float):
+        return F.interpolate(pixels[None], size=tuple(frame), mode="bilinear", antialias=True, align_corners=False)[0]
     scaled = F.interpolate(pixels[None].float(), size=tuple(frame), mode="bilinear", antialias=True,
                            align_corners=False)[0]
     return scaled.round_().clamp_(0, 255).to(torch.uint8)

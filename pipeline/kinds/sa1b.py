@@ -19,16 +19,16 @@ import numpy as np
 import numpy.random  # noqa: F401  (imported on first use otherwise: ~20 ms of each worker's first batch)
 import torch
 
-from pipeline.collate import empty, padded_images, unpack_bits
 from pipeline.errors import ConfigError, SampleError, excerpt
-from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, column_offsets, decode_array,
-                             encode_array, parse_json, storage_dtype, unpack_record)
+from pipeline.format import (SA1B_ANN, SA1B_JPG, SA1B_JSON, SA1B_RECORD_FIELDS, decode_array, encode_array,
+                             parse_json, unpack_record)
 from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 from pipeline.kinds.sa1b_augment import augmented, check_augment, depends, flips, view_of
+from pipeline.kinds.sa1b_batch import MASK_COLUMNS, check_decode_device, collate, finish, image_of, masks_of
 from pipeline.kinds.sa1b_prompts import (Draw, check_options, choose_masks, chosen_masks, prompt_columns,
                                          prompt_problems, prompts_of, streams)
 from pipeline.kinds.schema import BatchField, problems
-from pipeline.rle import RLEError, bits_at, check, parse
+from pipeline.rle import RLEError, check, parse
 from pipeline.stats import Clock
 
 __all__ = ["Sa1bOptions", "decode_image", "choose_masks", "MAX_IMAGE_PIXELS", "annotation_record",
@@ -59,6 +59,7 @@ class Sa1bOptions:
     hflip: float = 0.0  # the probability that a sample is mirrored (`pipeline.kinds.sa1b_augment`)
     resize: str = "longest"  # or "square" (SAM 2's: both sides to image_size / mask_size)
     scale_jitter: tuple[float, float] | None = None  # (lo, hi): long side scaled by a factor in it, cropped
+    decode_device: str | None = None  # "cpu" or "cuda": pixels made by the loader's device stage (`sa1b_batch`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 1:
@@ -69,6 +70,7 @@ class Sa1bOptions:
             self.masks_for(0)
         check_options(self)
         check_augment(self)
+        check_decode_device(self)
         if isinstance(self.scale_jitter, list):  # (from JSON, say: kept as the pair it means, hashable)
             object.__setattr__(self, "scale_jitter", tuple(self.scale_jitter))
 
@@ -139,20 +141,9 @@ def _record(members: dict[str, bytes], max_pixels: int, url: str, key: str) -> t
     return {"image_id": image_id, "height": height, "width": width, "counts": counts}, columns
 
 
-# In transit a batch is four tensors, not eleven (each tensor costs a shared-memory file and a
-# socket message between processes): per-mask columns and per-image integers travel stacked.
-_MASK_COLUMNS = (("boxes", 4), ("points", 2), ("areas", 1), ("predicted_ious", 1), ("stability_scores", 1))
-_IMAGE_COLUMNS = (("mask_counts", 1), ("image_ids", 1), ("original_sizes", 2), ("image_sizes", 2))
-
-
 def _mask_error(exc: RLEError, masks: np.ndarray, url: str, key: str) -> SampleError:
     """An RLE error of the `exc.index`-th of `masks` (indices into the sample's masks), as the sample's."""
     return SampleError(f"mask {int(masks[exc.index])}: {exc}", url=url, key=key, field="counts")
-
-
-def _split(stacked: torch.Tensor, layout: tuple[tuple[str, int], ...]) -> dict[str, torch.Tensor]:
-    parts = stacked.split([width for _, width in layout], dim=-1)
-    return {name: (part if width > 1 else part.squeeze(-1)).contiguous() for (name, width), part in zip(layout, parts)}
 
 
 def _value_problems(batch: dict[str, Any], options: Sa1bOptions, epoch: int) -> list[str]:
@@ -228,7 +219,7 @@ class Sa1b:
         chosen = chosen_masks(columns, (height, width), options, options.masks_for(epoch), draw)
         chosen, frame = chosen[view.visible(columns["bbox"][chosen])], view.scaled
         clock.mark()
-        image = view.image(decode_image(members[SA1B_JPG], frame, url, key, options.max_image_pixels))
+        image = image_of(members[SA1B_JPG], view, url, key, options)
         clock.split("image")
         distinct, rows = np.unique(chosen, return_inverse=True)  # (repeats, with fill_masks, decoded once)
         try:
@@ -243,14 +234,14 @@ class Sa1b:
             prompts = prompts_of(shown.inside, shown.rows, shown.bbox, (height, width), frame, options, draw)
         except RLEError as exc:
             raise _mask_error(exc, chosen, url, key) from exc
-        masks = bits_at(shown.masks, view.rows, view.cols, mirrored=(flip := flips(options, draw)))
+        masks = masks_of(shown, view, flip := flips(options, draw), options)
         clock.split("masks")
         (h, w), (sy, sx) = frame, (frame[0] / height, frame[1] / width)
         x, y, bw, bh = shown.bbox.T
         return augmented({
             "key": key,
             "image": image,
-            "masks_packed": masks if len(shown.masks) == len(chosen) else masks[shown.rows],
+            "masks_packed": masks,
             "boxes": np.clip(np.stack([x * sx, y * sy, (x + bw) * sx, (y + bh) * sy], 1), 0, (w, h, w, h)),
             "points": np.clip(shown.point * (sx, sy), 0, (w, h)),
             "areas": shown.area * (sx * sy),
@@ -263,49 +254,19 @@ class Sa1b:
         }, view, flip)
 
     def collate(self, samples: Sequence[dict[str, Any]], epoch: int) -> dict[str, Any]:
-        """A batch in transit (see `finish`): square images padded with zeros, masks bit-packed,
-        per-mask columns stacked and padded with zeros to the largest mask count of the batch; all
-        four on one buffer (`empty`'s: in a worker, one lease and no shared-memory file per batch)."""
-        b, s, m = len(samples), self.options.image_size, self.options.mask_frame
-        n = max(len(x["masks_packed"]) for x in samples)
-        layout = [("images", "uint8", (b, 3, s, s)), ("masks_packed", "uint8", (b, n, m, -(-m // 8))),
-                  ("columns", "float32", (b, n, sum(width for _, width in self._mask_columns()))),
-                  ("info", "int64", (b, sum(width for _, width in _IMAGE_COLUMNS)))]
-        offsets, total = column_offsets(layout)
-        flat = empty((total,), torch.uint8)
-        batch: dict[str, Any] = {}
-        for (name, dtype, shape), offset in zip(layout, offsets):
-            nbytes = math.prod(shape) * storage_dtype(dtype).itemsize
-            batch[name] = flat[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
-        padded_images([x["image"] for x in samples], s, s, batch["images"],
-                      [x.get("mirrored", False) for x in samples])
-        masks, columns = batch["masks_packed"].zero_(), batch["columns"].zero_()
-        batch["info"].copy_(torch.tensor([[len(x["masks_packed"]), x["image_id"], *x["original_size"],
-                                           *x["image_size"]] for x in samples], dtype=torch.int64))
-        for i, x in enumerate(samples):
-            c, mh, mb = x["masks_packed"].shape
-            masks[i, :c, :mh, :mb] = torch.from_numpy(x["masks_packed"])
-            stacked = np.concatenate([np.reshape(x[name], (c, width)) for name, width in self._mask_columns()], 1)
-            columns[i, :c] = torch.from_numpy(stacked.astype(np.float32))
-        batch["keys"] = [x["key"] for x in samples]
-        return batch
+        """A batch in transit (see `finish`): with pixels, square images padded with zeros, masks
+        bit-packed, per-mask columns stacked and padded with zeros to the largest mask count of the
+        batch, all on one buffer; with `decode_device`, what the pixels are made of (`sa1b_batch`)."""
+        return collate(samples, self.options, self._mask_columns())
 
     def finish(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The batch users get, on whatever device the transit batch was moved to: masks unpacked to
-        bool (B, N, m, m), columns split into their fields."""
-        finished = {
-            "images": batch["images"],
-            "masks": unpack_bits(batch["masks_packed"], self.options.mask_frame),
-            **_split(batch["columns"], self._mask_columns()),
-            **_split(batch["info"], _IMAGE_COLUMNS),
-            "keys": batch["keys"],
-        }
-        if "point_coords" in finished:  # (B, N, 2K) in transit: (B, N, K, 2)
-            finished["point_coords"] = finished["point_coords"].unflatten(-1, (self.options.points_per_mask, 2))
-        return finished
+        """The batch users get, on whatever device the transit batch was moved to (with `decode_device`,
+        on that one, its pixels made there): masks unpacked to bool (B, N, m, m), columns split into
+        their fields."""
+        return finish(batch, self.options, self._mask_columns())
 
     def _mask_columns(self) -> tuple[tuple[str, int], ...]:  # (per-mask columns in transit, and widths)
-        return _MASK_COLUMNS + prompt_columns(self.options)
+        return MASK_COLUMNS + prompt_columns(self.options)
 
     def unbatch(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """A finished batch's samples (row i of each field, same keys), each with its own `mask_counts`

@@ -51,10 +51,11 @@ _IMAGE_OPTIONS = frozenset({"image_size", "resize", "hflip", "scale_jitter", "ma
 
 def depends(options: Any, inputs: frozenset[str] | None) -> tuple[bool, frozenset[str]]:
     """`Kind.depends`: the image's fields change with the epoch only under augmentation, and only its
-    frame and augmentation shape them; masks and prompts are drawn afresh each epoch."""
+    frame and augmentation shape them; masks and prompts are drawn afresh each epoch. `decode_device`
+    shapes none: it says where pixels are made, not what they are (but for the decoders' IDCT)."""
     if inputs is not None and inputs <= IMAGE_FIELDS:
         return options.hflip > 0 or options.scale_jitter is not None, _IMAGE_OPTIONS
-    return True, frozenset(f.name for f in dataclasses.fields(options))
+    return True, frozenset(f.name for f in dataclasses.fields(options)) - {"decode_device"}  # (where, not what)
 
 
 def check_augment(options: Any) -> None:
