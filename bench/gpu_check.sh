@@ -6,8 +6,9 @@
 # Expects `python3` to hold a CUDA torch, numpy, pillow, msgpack, fsspec, tqdm, scikit-image, pytest
 # and hypothesis. Packages it lacks travel as wheels in .whl/ (py3.12, manylinux x86_64; at present
 # simplejpeg and pycocotools, which the checks import, and torchdata), installed here into /tmp/site,
-# never into python3's own site-packages. Each step runs under `timeout`, and all of them within
-# DEADLINE seconds, so the whole check ends in under 6 minutes. Everything printed also goes to
+# never into python3's own site-packages (torchvision, for the device step's nvJPEG, must be the build
+# of python3's torch). Each step runs under `timeout`, and all of them within DEADLINE seconds, so the
+# whole check ends in under 8 minutes. Everything printed also goes to
 # $OUT/gpu_check.log (OUT defaults to /tmp/gpu_check). Exit status: 0 when every step passed, else 1.
 #
 # Steps:
@@ -15,7 +16,10 @@
 #   gpu      nvidia-smi -L
 #   env      Python, torch and CUDA versions; the packages the checks import, and from where; stops
 #            the check when torch sees no GPU (the CUDA test would only be skipped) or one is missing
-#   pytest   the CUDA test of tests/test_loader.py (batches on the device equal the CPU batches)
+#   pytest   the CUDA tests of tests/test_loader.py (batches on the device equal the CPU batches),
+#            tests/test_device.py and tests/test_sa1b_batch.py (decode_device="cuda": the CPU path's
+#            batches, masks bit for bit, images within a level)
+#   device   bench/device_decode.py: decode_device="cuda" against the CPU path, 4 workers (issue 41)
 #   bench    bench/cuda_pipeline.py at its documented settings (docs/performance.md, "GPU path")
 #   resume   bench/gpu_resume.py, when that file exists
 
@@ -24,7 +28,7 @@ cd "$(dirname "$0")/.." || exit 1
 
 OUT=${OUT:-/tmp/gpu_check}
 SITE=/tmp/site
-DEADLINE=$((SECONDS + 330))  # all steps together; the last ones get what is left
+DEADLINE=$((SECONDS + 450))  # all steps together; the last ones get what is left
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
@@ -57,7 +61,7 @@ import importlib, importlib.metadata as md, sys
 import torch
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
       f"cuda available {torch.cuda.is_available()}")
-names = ("numpy pillow msgpack fsspec tqdm scikit-image simplejpeg pycocotools torchdata "
+names = ("numpy pillow msgpack fsspec tqdm scikit-image simplejpeg pycocotools torchdata torchvision "
          "pytest hypothesis lightning").split()
 for name in names:
     try:
@@ -99,7 +103,12 @@ main() {
 
     # -rs: a skipped test says why (it skips only without CUDA, which env has ruled out); no test
     # selected exits 5, a failure here too.
-    step pytest 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_loader.py -k cuda
+    step pytest 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_loader.py tests/test_device.py \
+        tests/test_sa1b_batch.py -k cuda
+
+    # The device stage against the CPU path on the same data and workers (128 images of 1500x2250,
+    # cached in .cache/bench-sa1b/128): samples/s, CPU ms per sample, the image part alone.
+    step device 180 python3 bench/device_decode.py --images 128 --workers 4
 
     # 128 images of 1500x2250 built and packed, then 8 loader epochs and the copy/step overlap: about
     # a minute with 16 cores (estimated from 2). The settings of docs/performance.md: figures compare.
