@@ -169,7 +169,15 @@ def test_on_cuda_the_same_masks_and_images_within_a_level():
     assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
     data = [torch.frombuffer(bytearray(_jpeg(p)), dtype=torch.uint8) for p in PHOTOS.values()]
     where = [("u", name) for name in PHOTOS]
+    cmyk = io.BytesIO()  # (nvJPEG may refuse it: then the CPU decodes it)
+    Image.fromarray(PHOTOS["coffee"]).convert("CMYK").save(cmyk, "JPEG", quality=90)
+    data.append(torch.frombuffer(bytearray(cmyk.getvalue()), dtype=torch.uint8))
+    where.append(("u", "cmyk"))
     for on_cpu, on_gpu in zip(decode_jpegs(data, torch.device("cpu"), where),
-                              decode_jpegs(data, torch.device("cuda"), where)):
+                              decode_jpegs(data, torch.device("cuda"), where), strict=True):
         assert on_gpu.is_cuda and on_gpu.shape == on_cpu.shape
         assert (on_gpu.cpu().float() - on_cpu.float()).abs().mean() <= 1.0
+    broken = torch.frombuffer(bytearray(_jpeg(PHOTOS["chelsea"])[:3000]), dtype=torch.uint8)
+    with pytest.raises(SampleError) as caught:  # (the batch's call fails; each alone; the CPU names it)
+        decode_jpegs([data[0], broken], torch.device("cuda"), [("a.tar", "one"), ("b.tar", "two")])
+    assert (caught.value.url, caught.value.key) == ("b.tar", "two")

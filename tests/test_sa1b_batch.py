@@ -97,6 +97,12 @@ def test_decode_device_is_validated(bad):
     assert Sa1bOptions(max_image_pixels=1 << 31).decode_device is None
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")
+def test_decode_device_cuda_without_a_gpu_says_so():
+    with pytest.raises(ConfigError, match="decode_device='cuda' but CUDA is not available"):
+        Sa1bOptions(decode_device="cuda")
+
+
 def test_decode_device_changes_no_option_outputs_depend_on(sa1b_dataset):
     kind = make_stream_loader(sa1b_dataset, "train", **BASE).kind
     other = dataclasses.replace(kind, options=dataclasses.replace(kind.options, decode_device="cpu"))

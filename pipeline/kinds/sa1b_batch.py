@@ -42,8 +42,8 @@ _VIEW = ("jpeg_bytes", "masks", "runs", "height", "width", "scaled_h", "scaled_w
 
 
 def check_decode_device(options: Any) -> None:
-    """Refuse a `decode_device` other than None, "cpu" or "cuda" (or "cuda:N"), naming it; or with
-    `max_image_pixels` too large for a run length of int32."""
+    """Refuse a `decode_device` other than None, "cpu" or "cuda" (or "cuda:N"), naming it; "cuda" where
+    torch sees no GPU; or with `max_image_pixels` too large for a run length of int32."""
     value = options.decode_device
     try:
         ok = value is None or isinstance(value, str) and torch.device(value).type in DECODE_DEVICES
@@ -52,6 +52,9 @@ def check_decode_device(options: Any) -> None:
     if not ok:
         raise ConfigError(f"decode_device must be None (pixels made in the workers), 'cpu' or 'cuda' (made by "
                           f"the loader's device stage), got {value!r}")
+    if value is not None and torch.device(value).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"decode_device={value!r} but CUDA is not available (torch {torch.__version__}, CUDA "
+                          f"build: {torch.version.cuda or 'no'}); use decode_device='cpu' or None")
     if value is not None and options.max_image_pixels >= 1 << 31:
         raise ConfigError(f"decode_device sends masks' run lengths as int32: max_image_pixels must be under 2**31, "
                           f"got {options.max_image_pixels}")
