@@ -191,7 +191,8 @@ def finish(batch: dict[str, Any], options: Any, mask_columns: tuple[tuple[str, i
         pixels = {"images": batch["images"], "masks": unpack_bits(batch["masks_packed"], options.mask_frame)}
         device = batch["columns"].device
     else:
-        pixels, device = _pixels(batch, options), torch.device(options.decode_device)
+        device = _decode_device(options)
+        pixels = _pixels(batch, device, options)
     finished = {
         **pixels,
         **_split(batch["columns"].to(device), mask_columns),
@@ -203,13 +204,19 @@ def finish(batch: dict[str, Any], options: Any, mask_columns: tuple[tuple[str, i
     return finished
 
 
-def _pixels(batch: dict[str, Any], options: Any) -> dict[str, torch.Tensor]:
-    """The batch's images (B, 3, s, s) uint8 and masks (B, N, m, m) bool, made on `decode_device` from
-    the JPEGs and runs in transit, as the workers would have made them."""
+def _decode_device(options: Any) -> torch.device:
+    """`decode_device`, "cuda" as the current device (under DDP each rank's own, `torch.cuda.set_device`)."""
     device = torch.device(options.decode_device)
     if device.type == "cuda" and get_worker_info() is not None:
         raise ConfigError("decode_device='cuda' makes pixels in the main process (make_stream_loader's device "
                           "stage), not in a DataLoader worker: use decode_device='cpu' or None here")
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
+
+
+def _pixels(batch: dict[str, Any], device: torch.device, options: Any) -> dict[str, torch.Tensor]:
+    """The batch's images (B, 3, s, s) uint8 and masks (B, N, m, m) bool, made on `decode_device` from
+    the JPEGs and runs in transit, as the workers would have made them."""
     views = [dict(zip(_VIEW, row)) for row in batch["views"].tolist()]
     b, n, s, m = len(views), batch["rows"].shape[1], options.image_size, options.mask_frame
     jpegs = batch["jpegs"].cpu().split([v["jpeg_bytes"] for v in views])  # (nvJPEG reads them from the host)
