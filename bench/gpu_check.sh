@@ -6,10 +6,13 @@
 # Expects `python3` to hold a CUDA torch, numpy, pillow, msgpack, fsspec, tqdm, scikit-image, pytest
 # and hypothesis. Packages it lacks travel as wheels in .whl/ (py3.12, manylinux x86_64; at present
 # simplejpeg and pycocotools, which the checks import, and torchdata), installed here into /tmp/site,
-# never into python3's own site-packages (torchvision, for the device step's nvJPEG, must be the build
-# of python3's torch). Each step runs under `timeout`, and all of them within DEADLINE seconds, so the
-# whole check ends in under 8 minutes. Everything printed also goes to
-# $OUT/gpu_check.log (OUT defaults to /tmp/gpu_check). Exit status: 0 when every step passed, else 1.
+# never into python3's own site-packages. The device step needs torchvision (nvJPEG) built for python3's
+# torch: for machine C's torch 2.11+cu130, bring PyPI's 0.26.0 (it bundles CUDA 13's nvJPEG) with
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#         --platform manylinux_2_28_x86_64 torchvision==0.26.0 -d .whl
+# Each step runs under `timeout`, and all of them within DEADLINE seconds, so the whole check ends in
+# under 8 minutes. Everything printed also goes to $OUT/gpu_check.log (OUT defaults to /tmp/gpu_check).
+# Exit status: 0 when every step passed, else 1.
 #
 # Steps:
 #   install  the wheels of .whl/ into /tmp/site (skipped when there are none)
@@ -55,7 +58,8 @@ step() {
 
 # The env step: versions, and the modules the checks import with where each comes from (the wheels'
 # modules from /tmp/site). Exits 1 when torch sees no GPU or a module the checks need is missing;
-# torchdata (StatefulDataLoader, for resume work; no step here imports it) is only reported.
+# torchdata (StatefulDataLoader, for resume work; no step here imports it) is only reported, and so is
+# torchvision (only the device step and its tests need it: they fail on their own without it).
 ENV_CHECK='# versions; modules the checks import; a GPU
 import importlib, importlib.metadata as md, sys
 import torch
@@ -70,12 +74,13 @@ for name in names:
         print(f"  {name} MISSING")
 missing = []
 for module in ("numpy", "PIL", "msgpack", "fsspec", "tqdm", "skimage.data", "simplejpeg", "pycocotools.mask",
-               "pytest", "hypothesis", "pipeline", "shard_tools.pack", "torchdata.stateful_dataloader"):
+               "pytest", "hypothesis", "pipeline", "shard_tools.pack", "torchdata.stateful_dataloader",
+               "torchvision.io"):
     try:
         print(f"  import {module}: {importlib.import_module(module).__file__}")
     except Exception as exc:
         print(f"  import {module}: FAILED {type(exc).__name__}: {exc}")
-        missing += [] if module.startswith("torchdata") else [module]
+        missing += [] if module.startswith(("torchdata", "torchvision")) else [module]
 if not torch.cuda.is_available():
     sys.exit("torch sees no GPU: the CUDA checks cannot run")
 print(f"GPU {torch.cuda.get_device_name()}, capability {torch.cuda.get_device_capability()}, "
