@@ -70,6 +70,21 @@ def test_the_same_batches_through_workers_and_from_make_stream_dataset(sa1b_data
     _same_but_images(alone, finished)
 
 
+def test_resume_equals_uninterrupted_and_the_state_names_the_decode_device(sa1b_dataset):
+    options = {**BASE, "decode_device": "cpu", **CASES["jitter-flip"]}
+    full = _batches(sa1b_dataset, **options)
+    first = make_stream_loader(sa1b_dataset, "train", **options, num_workers=2)
+    assert [b["keys"] for b in batches_of(first, 1, stop=1)] == [full[0]["keys"]]
+    state = first.state_dict()
+    resumed = make_stream_loader(sa1b_dataset, "train", **options, num_workers=2)
+    resumed.load_state_dict(state)
+    rest = batches_of(resumed, 1)
+    _same_but_images(full[1:], rest)
+    assert all(torch.equal(a["images"], b["images"]) for a, b in zip(full[1:], rest))
+    with pytest.raises(ConfigError, match="decode_device: 'cpu' there, None here"):  # (decoders' pixels differ)
+        make_stream_loader(sa1b_dataset, "train", **{**options, "decode_device": None}).load_state_dict(state)
+
+
 def _decoded(sample: tuple, members: dict, **options) -> dict:
     key = sample[0]
     kind = Sa1b(Sa1bOptions(image_size=80, mask_size=32, decode_device="cpu", **options))
