@@ -343,3 +343,57 @@ def test_a_read_takes_another_process_download_while_its_own_waits_its_turn(tmp_
         elsewhere.join(60)
         downloads.settle()
     assert busy.requests == [("stream", 0, len(other))] and wanted.requests == []
+
+
+def test_a_download_file_appears_only_once_locked(tmp_path, monkeypatch):
+    """A reader that finds a download's file takes it for a live download and waits for its bytes
+    (before: the file was made, then locked; a reader between the two took it for a killed
+    process's download and read its bytes by range). Every exclusive lock is slowed to widen the gap."""
+    lock = locks.lock
+
+    def slow(fd: int, **options) -> bool:
+        if not options.get("shared"):
+            time.sleep(0.3)
+        return lock(fd, **options)
+
+    monkeypatch.setattr(locks, "lock", slow)
+    cache, gate = ShardCache(str(tmp_path), 1 << 20), threading.Event()
+    download = threading.Thread(target=cache.fetch, args=("u", len(DATA), SHA, _reader(DATA, gate=gate)))
+    download.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / f"{SHA}.tar.lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert cache.read_arriving(SHA, 0, 100, patience=30) == DATA[:100]
+    finally:
+        gate.set()
+        download.join(30)
+    assert open(cache.lookup("u", SHA), "rb").read() == DATA
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{SHA}.tar", f"{SHA}.tar.ok"])
+
+
+def test_a_read_that_looked_before_its_download_began_looks_again(tmp_path, monkeypatch):
+    """A read that found no download of its shard, this process's own having begun just after it
+    looked: it takes the bytes from that download (before: the download, begun by the time the read
+    asked, counted as seen, and the bytes were read by range, a request the download saves)."""
+    cache = ShardCache(str(tmp_path), 1 << 20)
+    downloads = reader.Downloads(cache, MappedFiles(str(tmp_path)))
+    wanted, looks = _Object(DATA), []
+    read_arriving = cache.read_arriving
+
+    def late(sha256: str, start: int, end: int, patience: float = 60.0) -> bytes | None:
+        looks.append(patience)
+        if len(looks) > 1:
+            return read_arriving(sha256, start, end, patience=patience)
+        deadline = time.monotonic() + 30  # (the first look's answer comes once the download has begun)
+        while not wanted.requests and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return None
+
+    monkeypatch.setattr(cache, "read_arriving", late)
+    try:
+        got = reader.Cached(downloads, wanted, ShardInfo("s.tar", 1, 1, len(DATA), SHA, None)).read(0, 100)
+    finally:
+        downloads.settle()
+    assert bytes(got) == DATA[:100] and len(looks) == 2
+    assert wanted.requests == [("stream", 0, len(DATA))], "no read by range"

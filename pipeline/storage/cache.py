@@ -120,14 +120,17 @@ class Mismatch(ShardError):
 
 def _create(path: str) -> int:
     """A new empty file at `path`, locked while open (which marks the download live: see
-    `_make_room`; let go by `locks.close`); its descriptor. Call it under the cache's lock:
-    between its open and its lock, another process's `_make_room` would take the file for a dead one's."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    `_make_room`; let go by `locks.close`); its descriptor. It is made under another name and
+    appears at `path` locked: a reader finding it unlocked takes it for a dead download's (`_live`).
+    Call it under the cache's lock: `_make_room` would take the unlocked file for a dead one's."""
+    made = f"{path}-{uuid.uuid4().hex}"  # (a `.partial-` name: removed as a dead download's if left)
+    fd = os.open(made, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         locks.lock(fd)
+        os.rename(made, path)
     except BaseException:
         locks.close(fd)
-        os.unlink(path)
+        os.unlink(made)
         raise
     return fd
 

@@ -154,10 +154,12 @@ class Cached:
             downloads.refuse_mismatched(shard, self.url)
             started = downloads.start(shard, self.ranged)
             patience = 0.0 if downloads.held else PATIENCE
+            # (this process's download not begun before the look: if it begins during it, looked for again)
+            pending = started if started is not None and not started.is_set() else None
             # (from a download running in any process of the node: this one's, or another's while this
             # one's waits its turn; else, once this one's file is there: at once, or when its turn comes)
             data = downloads.cache.read_arriving(shard.sha256, start, end, patience=patience)
-            if data is None and started is not None and not started.is_set() and started.wait(PATIENCE):
+            if data is None and pending is not None and pending.wait(PATIENCE):
                 data = downloads.cache.read_arriving(shard.sha256, start, end, patience=patience)
             if data is None:
                 data = downloads.cached(self.url, shard.sha256, start, end)  # (finished meanwhile)
