@@ -88,9 +88,28 @@ def transit_mb(shards: str, args: argparse.Namespace) -> None:
         print(f"a batch in transit, {name}: {size / 1e6:.1f} MB")
 
 
+def _nvimgcodec(jpegs: list[bytes], device: torch.device):
+    """nvImageCodec's batched decode, then the same resize: the work, or None where it is not installed
+    (its wheel: nvidia-nvimgcodec-cu13, or -cu12, with the CUDA of python3's torch)."""
+    try:
+        from nvidia import nvimgcodec
+    except ImportError:
+        return None
+    decoder = nvimgcodec.Decoder()
+
+    def work() -> None:
+        for image in decoder.decode(jpegs):
+            pixels = torch.as_tensor(image, device=device).permute(2, 0, 1)
+            resized(pixels, fit(*pixels.shape[1:], SETTINGS["image_size"]))
+        torch.cuda.synchronize()
+
+    return work
+
+
 def images_alone(shards: str, args: argparse.Namespace) -> None:
     """The image part alone, on one batch of JPEGs: the CPU path's decode at its frame (DCT scaled,
-    resized) against the device stage's (one batched call, then each resized), ms per image."""
+    resized) against the device stage's (one batched call, then each resized), and on a GPU against
+    nvImageCodec's batched decode where it is installed (the decoder to choose by this figure); ms per image."""
     device = torch.device(args.decode_device)
     jpegs = [members["jpg"] for _, members in packed_samples(pathlib.Path(shards))][: SETTINGS["batch_size"]]
     tensors = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
@@ -106,14 +125,20 @@ def images_alone(shards: str, args: argparse.Namespace) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    for name, work in (("CPU path", cpu_path), (f"device stage ({device.type})", device_stage)):
-        work()  # (warm: libraries loaded, nvJPEG's state made)
+    decoder = "torchvision's nvJPEG" if device.type == "cuda" else "libjpeg-turbo at full scale"
+    ways = [("CPU path", cpu_path), (f"device stage ({decoder})", device_stage)]
+    nvimgcodec = _nvimgcodec(jpegs, device) if device.type == "cuda" else None
+    ways += [("nvImageCodec (cuda)", nvimgcodec)] if nvimgcodec else []
+    for name, work in ways:
+        work()  # (warm: libraries loaded, the decoder's state made)
         times = []
         for _ in range(5):
             start = time.perf_counter()
             work()
             times.append(time.perf_counter() - start)
         print(f"images alone, {name}: {statistics.median(times) / len(jpegs) * 1000:.2f} ms per image")
+    if device.type == "cuda" and nvimgcodec is None:
+        print("nvImageCodec: not installed here, not compared")
     try:
         import nvidia.dali  # noqa: F401
         print("DALI is importable, but this bench does not run it yet")

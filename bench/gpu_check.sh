@@ -10,6 +10,8 @@
 # torch: for machine C's torch 2.11+cu130, bring PyPI's 0.26.0 (it bundles CUDA 13's nvJPEG) with
 #     pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #         --platform manylinux_2_28_x86_64 torchvision==0.26.0 -d .whl
+# and, for nvImageCodec's figure beside it (optional), nvidia-nvimgcodec-cu13==0.9.0.20 and the
+# nvidia-nvjpeg wheel its nvJPEG backend needs, the same way.
 # Each step runs under `timeout`, and all of them within DEADLINE seconds, so the whole check ends in
 # under 8 minutes. Everything printed also goes to $OUT/gpu_check.log (OUT defaults to /tmp/gpu_check).
 # Exit status: 0 when every step passed, else 1.
