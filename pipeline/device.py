@@ -32,6 +32,7 @@ from pipeline.images import MAX_IMAGE_PIXELS, decode_image
 __all__ = ["to_device", "prefetch_to_cuda", "run_raster", "decode_jpegs", "resized", "Placement",
            "place"]
 
+
 def run_raster(runs: torch.Tensor, runs_per: torch.Tensor, size: tuple[int, int], ys: torch.Tensor,
                xs: torch.Tensor, mirrored: bool = False) -> torch.Tensor:
     """Masks (k, len(ys), len(xs)) bool, on the runs' device: k masks of `size` (H, W), their run lengths
