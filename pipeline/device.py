@@ -21,7 +21,7 @@ CUDA in float32, which its kernel needs: within a level of the uint8 kernel.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -132,25 +132,30 @@ def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = 
     return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def prefetch_to_cuda(batches: Iterator[dict[str, Any]], device: torch.device) -> Iterator[dict[str, Any]]:
-    """Copy each (pinned) batch on a side stream one batch ahead; the consumer's stream waits only for it."""
+def prefetch_to_cuda(batches: Iterator[dict[str, Any]], device: torch.device,
+                     finish: Callable[[dict[str, Any]], dict[str, Any]] = lambda batch: batch,
+                     ) -> Iterator[dict[str, Any]]:
+    """Copy each (pinned) batch, and `finish` it there (the kind's: with `decode_device`, its pixel
+    work), on a side stream one batch ahead, while the step before runs; the consumer's stream waits
+    only for it (anything `finish` reads back to the host waits for the side stream alone)."""
     stream = torch.cuda.Stream(device)
 
     def issue(batch: dict[str, Any]) -> tuple[dict[str, Any], torch.cuda.Event]:
         with torch.cuda.stream(stream):
-            moved = to_device(batch, device, non_blocking=True)
+            finished = finish(to_device(batch, device, non_blocking=True))
             done = torch.cuda.Event()
             done.record(stream)
-        return moved, done
+        return finished, done
 
     def ready(pending: tuple[dict[str, Any], torch.cuda.Event]) -> dict[str, Any]:
-        moved, done = pending
+        finished, done = pending
         current = torch.cuda.current_stream(device)
         current.wait_event(done)
-        for value in moved.values():
-            if isinstance(value, torch.Tensor):
-                value.record_stream(current)  # memory made on `stream`, used on `current`
-        return moved
+        for value in finished.values():
+            for tensor in value if isinstance(value, list) else (value,):
+                if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                    tensor.record_stream(current)  # memory made on `stream`, used on `current`
+        return finished
 
     pending = None
     for batch in batches:

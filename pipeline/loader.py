@@ -184,8 +184,9 @@ class StreamLoader:
         first_out = stream.first_out
         ticket = stream.ask()  # (before `_pulled` asks the workers)
         batches: Iterator[dict[str, Any]] = map(_raise_worker_errors, self._pulled(generation, first_out, ticket))
-        if self.device is not None and self.device.type == "cuda":
-            batches = prefetch_to_cuda(batches, self.device)
+        finishing = self.device is None or self.device.type != "cuda"  # (else on the device stage's stream)
+        if not finishing:
+            batches = prefetch_to_cuda(batches, self.device, stream.attachments.finish)
         elif self.device is not None:
             batches = (to_device(b, self.device) for b in batches)
         stream.skipped[1] = 0
@@ -193,7 +194,7 @@ class StreamLoader:
         past = history[:-1] if done else history
         self._taken = (*past, Resume(world_size, done))
         while True:
-            with clock.stage("fetch"):  # (the hand-off, `_pulled`'s, and the device copy)
+            with clock.stage("fetch"):  # (the hand-off, `_pulled`'s, the device copy; on CUDA, finishing)
                 batch = next(batches, _END)
             if batch is _END:
                 break
@@ -201,7 +202,7 @@ class StreamLoader:
             done += 1  # counted as handed over: a checkpoint taken while the batch is in use includes it
             self._taken = (*past, Resume(world_size, done))
             with clock.stage("finish"):
-                finished = stream.attachments.finish(batch)
+                finished = stream.attachments.finish(batch) if finishing else batch
                 del batch  # (released here, not at the next fetch: freeing its tensors is finishing's cost)
                 self._figures.yielded += 1
                 if first_out is not None:

@@ -280,12 +280,12 @@ def test_no_worker_waits_out_the_first_batch_wait(sa1b_dataset, monkeypatch, wor
             raise AssertionError("a worker waited out its bound: the first batch's gate was never released")
         return True
 
-    def one_ahead(batches, device):  # (prefetch_to_cuda's order)
+    def one_ahead(batches, device, finish):  # (prefetch_to_cuda's order)
         pending = None
         for batch in batches:
             if pending is not None:
                 yield pending
-            pending = batch
+            pending = finish(batch)
         if pending is not None:
             yield pending
 
