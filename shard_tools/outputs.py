@@ -23,7 +23,7 @@ from pipeline.format.outputs import (
     record_key, unpack_item_index,
 )
 from pipeline.index import SplitIndex, locate
-from pipeline.outputs.writer import committed, listing, read_outputs
+from pipeline.outputs.epochs import COMMIT_RE, committed, listing, read_outputs
 from pipeline.storage import Retry, ShardReader, filesystem, join, read_manifest, shard_url
 from pipeline.tario import BLOCK, parse_sample
 from shard_tools.link import check_rows, linked_shards
@@ -31,7 +31,6 @@ from shard_tools.link import check_rows, linked_shards
 __all__ = ["describe_sidecar", "is_sidecar", "verify_sidecar"]
 
 _FOLDER_RE = re.compile(rf"{ALL_EPOCHS}|epoch-\d{{6}}")
-_COMMIT_RE = re.compile(r"r\d{5}-\d{6}\.json")
 
 
 # -- what a sidecar's folder holds --------------------------------------------------------------------
@@ -54,7 +53,7 @@ def is_sidecar(root: str, storage_options: dict[str, Any] | None = None) -> bool
         return False
     if fs.exists(join(base, OUTPUTS_NAME)):
         return True
-    return any(_COMMIT_RE.fullmatch(name) for folder in listing(fs, base) if _FOLDER_RE.fullmatch(folder)
+    return any(COMMIT_RE.fullmatch(name) for folder in listing(fs, base) if _FOLDER_RE.fullmatch(folder)
                for name in listing(fs, join(base, folder)))
 
 

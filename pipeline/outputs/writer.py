@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import hashlib
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,24 +24,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.errors import ConfigError, DatasetError
+from pipeline.errors import ConfigError
 from pipeline.format import check_key, pack_record
 from pipeline.format.outputs import (
-    OUTPUT_DTYPES, OUTPUTS_NAME, Commit, FileRef, OutputField, OutputsManifest, check_field_name, chunk_name,
-    commit_name, epoch_folder, item_index_name, pack_item_index, record_key,
+    OUTPUT_DTYPES, Commit, OutputField, check_field_name, chunk_name, commit_name, epoch_folder, record_key,
 )
 from pipeline.index import locate, row_order
 from pipeline.loader import StreamLoader
+from pipeline.outputs.epochs import committed, finish_epoch, listing, read_outputs, shown
 from pipeline.outputs.of import outputs_of, refusal
 from pipeline.plan import World, plan_epoch, rank_sample_count
-from pipeline.storage import Retry, ShardReader, filesystem, is_local, join, with_retries, write_bytes
+from pipeline.storage import Retry, ShardReader, filesystem, is_local, join, write_bytes
 from pipeline.tario import BLOCK, member_header
 
-__all__ = ["OutputWriter", "committed", "finish_epoch", "listing", "read_outputs"]
+__all__ = ["OutputWriter"]
 
 log = logging.getLogger(__name__)
 _END = b"\0" * (2 * BLOCK)
-_COMMIT_RE = re.compile(r"r(\d{5})-(\d{6})\.json")
 
 
 def _fixed(value: Any) -> tuple[np.ndarray, str] | None:
@@ -97,12 +94,13 @@ def _columns(outputs: Mapping[str, Any], rows: int) -> tuple[tuple[OutputField, 
 
 
 class _Buffer:
-    """A chunk's bytes as they are appended: made at `capacity` (a chunk and some more), grown only
-    by a batch that overshoots it, and kept for the chunk after next once written (fresh memory
-    costs a page fault per 4 KiB: as much as the copy itself)."""
+    """A chunk's bytes as they are appended, and their SHA-256 (here, in the loop's thread: measured
+    faster than in the writing thread, whose write and sync the loop would then wait for): made at
+    `capacity` (a chunk and some more), grown only by a batch that overshoots it, and kept for the
+    chunk after next once written (fresh memory costs a page fault per 4 KiB: as much as the copy)."""
 
     def __init__(self, capacity: int) -> None:
-        self.array, self.size = np.empty(0, np.uint8), 0
+        self.array, self.size, self.sha = np.empty(0, np.uint8), 0, hashlib.sha256()
         self.capacity = capacity
 
     def add(self, data: Any) -> None:
@@ -113,17 +111,18 @@ class _Buffer:
             self.array = grown
         self.array[self.size : self.size + size] = np.frombuffer(data, np.uint8)
         self.size += size
+        self.sha.update(data)
 
     def view(self) -> memoryview:
         return memoryview(self.array)[: self.size]
 
     def reset(self) -> None:
-        self.size = 0
+        self.size, self.sha = 0, hashlib.sha256()
 
 
 class _Chunks:
-    """A rank's chunks in one epoch folder: records appended to the chunk in progress (copied in the
-    loop's thread), each chunk committed (hashed, written whole, then its commit) in a thread
+    """A rank's chunks in one epoch folder: records appended to the chunk in progress (copied and
+    hashed in the loop's thread), each chunk committed (written whole, then its commit) in a thread
     of its own while the loop goes on, one at a time."""
 
     def __init__(self, writer: OutputWriter, number: int) -> None:
@@ -153,13 +152,12 @@ class _Chunks:
         self.wait()  # (the chunk before: its buffer is free again)
         self.data, self._spare, self.records = self._spare, full, []
         self.data.reset()
-        self._pending = self._thread.submit(self._store, full.view(), self.number, records,
+        self._pending = self._thread.submit(self._store, full.view(), full.sha.hexdigest(), self.number, records,
                                             state, (*schema, last))
         self.number += 1
 
-    def _store(self, data: memoryview, number: int, records: np.ndarray, state: dict[str, Any],
+    def _store(self, data: memoryview, digest: str, number: int, records: np.ndarray, state: dict[str, Any],
                schema: tuple[tuple[OutputField, ...], bool, bool]) -> None:
-        digest = hashlib.sha256(data).hexdigest()  # (here, not in the loop's thread: hashlib lets go of the GIL)
         write_bytes(self.fs, join(self.base, chunk_name(self.folder, self.rank, number)), data, self.retry)
         batches = int(sum(n for _, n in state["history"]))  # (the rank's, with this chunk's)
         commit = Commit(self.rank, self.world_size, number, len(data), digest, records, batches, state, *schema,
@@ -293,7 +291,7 @@ class OutputWriter:
         if self.fields is None:
             self.fields, self.keyed = fields, keyed
         elif fields != self.fields:
-            raise ConfigError(f"write: outputs {_shown(fields)}; earlier batches had {_shown(self.fields)}")
+            raise ConfigError(f"write: outputs {shown(fields)}; earlier batches had {shown(self.fields)}")
         elif keyed != self.keyed:
             raise ConfigError(f"write: keys {'given' if keyed else 'None'}; earlier batches were written "
                               f"{'with' if self.keyed else 'without'} them")
@@ -356,101 +354,3 @@ def _in_rows(stream: Any, readers: list[ShardReader], sources: np.ndarray,
     return sources[rows], items[rows]
 
 
-def _shown(fields: Sequence[OutputField]) -> str:
-    return ", ".join(f"{f.name}: {f.describe()}" for f in fields)
-
-
-def read_outputs(fs: Any, base: str, out: str, retry: Retry) -> OutputsManifest | None:
-    """A sidecar's manifest, if it has one yet. (A function of the filesystem alone: fsspec keeps the
-    FileNotFoundError of an absent one in a cycle with its frames, which must not hold a loader.)"""
-    url, path = join(out, OUTPUTS_NAME), join(base, OUTPUTS_NAME)
-    try:
-        data = with_retries(retry, url, lambda: fs.cat_file(path))
-    except FileNotFoundError:
-        return None
-    return OutputsManifest.from_bytes(data, url)
-
-
-def listing(fs: Any, path: str) -> list[str]:
-    """The names in a folder, listed afresh ([] where there is none)."""
-    with contextlib.suppress(AttributeError):
-        fs.invalidate_cache(path)  # (s3fs, gcsfs and adlfs keep listings)
-    try:
-        return [name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(path, detail=False)]
-    except FileNotFoundError:
-        return []
-
-
-def committed(fs: Any, base: str, out: str, folder: str, rank: int | None,
-              retry: Retry) -> list[Commit] | dict[int, list[Commit]]:
-    """A rank's commits in `folder`, in order, up to the first missing one (or, `rank=None`, every
-    rank's, by rank). A chunk counts only with its commit, and only if it is the size it says."""
-    numbers: dict[int, set[int]] = {}
-    for name in listing(fs, join(base, folder)):
-        if (match := _COMMIT_RE.fullmatch(name)) and (rank is None or int(match[1]) == rank):
-            numbers.setdefault(int(match[1]), set()).add(int(match[2]))
-    found: dict[int, list[Commit]] = {}
-    for r, have in sorted(numbers.items()):
-        commits = found.setdefault(r, [])
-        while len(commits) in have:
-            name = commit_name(folder, r, len(commits))
-            path = join(base, name)
-            commit = Commit.from_bytes(with_retries(retry, join(out, name), lambda: fs.cat_file(path)), join(out, name))
-            try:
-                size = fs.size(join(base, chunk_name(folder, r, len(commits))))
-            except FileNotFoundError:
-                break
-            if size != commit.bytes:
-                break
-            commits.append(commit)
-            if commit.last:
-                break
-    return found.get(rank, []) if rank is not None else found
-
-
-def finish_epoch(out: str, folder: str, of: dict[str, Any], sources: Sequence[Any], fs: Any, base: str, retry: Retry,
-                 required: bool = False) -> bool:
-    """An epoch folder's indexes and its entry in the manifest, once every rank's share is committed
-    (each plan item once); False when some rank is not done yet (an error where `required`)."""
-    ranks = committed(fs, base, out, folder, None, retry)
-    assert isinstance(ranks, dict)
-    world = {c.world_size for commits in ranks.values() for c in commits}
-    size = world.pop() if len(world) == 1 else None
-    done = size is not None and sorted(ranks) == list(range(size)) and all(c[-1].last for c in ranks.values())
-    if not done:
-        if required:
-            raise DatasetError(f"{folder}: not every rank's share is committed ({sorted(ranks)} of {world})", url=out)
-        return False
-    commits = [c for r in sorted(ranks) for c in ranks[r]]
-    if len({(c.fields, c.keyed) for c in commits}) != 1:
-        raise DatasetError(f"{folder}: ranks wrote different output fields, or some with keys and some without",
-                           url=out)
-    chunks = tuple(FileRef(chunk_name(folder, c.rank, c.number), c.bytes, c.sha256) for c in commits)
-    tables = [np.full((int(s.sizes.sum()), 3), -1, dtype=np.int64) for s in sources]
-    seen = [np.zeros(len(t), dtype=np.int64) for t in tables]
-    for number, commit in enumerate(commits):
-        for s, (table, counts) in enumerate(zip(tables, seen)):
-            records = commit.records[commit.records[:, 0] == s]
-            table[records[:, 1]] = np.column_stack([np.full(len(records), number), records[:, 2:]])
-            np.add.at(counts, records[:, 1], 1)
-    for s, counts in enumerate(seen):
-        if (counts != 1).any():
-            bad = int(np.flatnonzero(counts != 1)[0])
-            raise DatasetError(f"{folder}: item {bad} of source {s} was written {int(counts[bad])} times", url=out)
-    indexes = []
-    for s, (source, table) in enumerate(zip(sources, tables)):
-        refs = []
-        for shard in range(len(source.sizes)):
-            data = pack_item_index(table[source.first_item[shard] : source.first_item[shard + 1]])
-            name = item_index_name(folder, s, shard)
-            write_bytes(fs, join(base, name), data, retry)
-            refs.append(FileRef(name, len(data), hashlib.sha256(data).hexdigest()))
-        indexes.append(tuple(refs))
-    manifest = read_outputs(fs, base, out, retry) or OutputsManifest(of, commits[0].fields, commits[0].keyed, {})
-    if (manifest.fields, manifest.keyed) != (commits[0].fields, commits[0].keyed):
-        raise DatasetError(f"{folder}: fields {_shown(commits[0].fields)}, the sidecar's other epochs have "
-                           f"{_shown(manifest.fields)} (or were written with keys where these were not)", url=out)
-    epochs = {**manifest.epochs, folder: (chunks, tuple(indexes))}
-    write_bytes(fs, join(base, OUTPUTS_NAME), dataclasses.replace(manifest, epochs=epochs).to_bytes(), retry)
-    log.info("%s: %s finished: %d chunks, %d bytes", out, folder, len(chunks), sum(c.bytes for c in chunks))
-    return True
