@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline import LoaderConfig, make_stream_dataset, make_stream_loader
-from pipeline.kinds import sa1b
+from pipeline.kinds import sa1b, sa1b_batch
 from pipeline.kinds.embeddings import Embeddings
 from pipeline.stats import Clock, WorkerTable
 from shard_tools.embeddings import pack_embeddings
@@ -56,8 +56,8 @@ class Costs:
 
     def __init__(self, monkeypatch, clock: FakeClock) -> None:
         self.image = self.masks = self.finish = 0
-        for name, cost in (("decode_image", "image"), ("bits_at", "masks")):
-            monkeypatch.setattr(sa1b, name, self._costing(clock, getattr(sa1b, name), cost))
+        for name, cost in (("decode_image", "image"), ("bits_at", "masks")):  # (where the kind calls them)
+            monkeypatch.setattr(sa1b_batch, name, self._costing(clock, getattr(sa1b_batch, name), cost))
         monkeypatch.setattr(sa1b.Sa1b, "finish", self._costing(clock, sa1b.Sa1b.finish, "finish"))
 
     def _costing(self, clock: FakeClock, work, cost: str):
@@ -86,7 +86,7 @@ def _decoding(samples: int, costs: Costs) -> dict[str, float]:
 # A spawned worker's own fake clock and costs (`FakeClock`, `Costs`): its startup code.
 _SPAWNED_COSTS = """
 import time
-from pipeline.kinds import sa1b
+from pipeline.kinds import sa1b_batch
 from pipeline.kinds.embeddings import Embeddings
 
 now = [1 << 40]
@@ -98,7 +98,8 @@ def costing(work, cost):
         return work(*args, **kwargs)
     return costed
 
-sa1b.decode_image, sa1b.bits_at = costing(sa1b.decode_image, {image}), costing(sa1b.bits_at, {masks})
+sa1b_batch.decode_image = costing(sa1b_batch.decode_image, {image})
+sa1b_batch.bits_at = costing(sa1b_batch.bits_at, {masks})
 """
 
 
