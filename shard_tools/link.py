@@ -156,13 +156,18 @@ def _number(key: str, pattern: re.Pattern[str], base: int, url: str) -> int:
     return value
 
 
+def _find(ordered: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """Where each wanted value is in `ordered` (sorted, distinct), or -1."""
+    at = np.clip(np.searchsorted(ordered, wanted), 0, max(len(ordered) - 1, 0))
+    return np.where(ordered[at] == wanted, at, -1) if len(ordered) else np.full(len(wanted), -1)
+
+
 def _table(keys: list[str], units: np.ndarray, rows: _Rows, pattern: re.Pattern[str], base: int,
            url: str) -> tuple[np.ndarray, np.ndarray]:
     """A shard's item index (a row per plan item: each sample's, repeated per unit where `units`) and
     which of its samples have a row."""
-    wanted = np.array([_number(k, pattern, base, url) for k in keys], dtype=np.uint64)
-    at = np.clip(np.searchsorted(rows.ids, wanted), 0, max(len(rows.ids) - 1, 0))
-    found = (rows.ids[at] == wanted) if len(rows.ids) else np.zeros(len(keys), dtype=bool)
+    at = _find(rows.ids, np.array([_number(k, pattern, base, url) for k in keys], dtype=np.uint64))
+    found = at >= 0
     table = np.tile(np.array(MISSING, dtype=np.int64), (len(keys), 1))
     table[found] = np.stack([rows.shards[at], rows.starts[at], rows.starts[at] + rows.nbytes], axis=1)[found]
     return np.repeat(table, units, axis=0), found
@@ -313,22 +318,23 @@ def check_rows(manifest: OutputsManifest, source: Manifest, table: np.ndarray, k
               _field(source, linked.field, linked.dataset, False))
     rows = _rows(linked.dataset, source, linked.split, fields, field.nbytes,
                  ShardReader(linked.dataset, storage_options, retry), False)
-    places = rows.shards << 40 | rows.starts
+    places = rows.shards << 40 | rows.starts  # (a vector's place: shard and start, one int)
     order = np.argsort(places)
+    shards, starts = table[:, 0], table[:, 3]
+    at = _find(places[order], shards << 40 | starts)
+    said = np.where((shards >= 0) & (at >= 0), order[np.maximum(at, 0)], -1)  # the row each record is, or -1
+    wrong = (shards >= 0) & ((said < 0) | (table[:, 4] - starts != field.nbytes))
+    problems = [f"{linked.dataset}: item {item}'s record (shard {shard}, bytes {start}-{end}) is no row's "
+                f"{linked.field}" for shard, _, item, start, end in table[wrong].tolist()]
+    if keys is None:
+        return problems
     pattern = re.compile(linked.key_pattern)
-    problems = []
-    for (shard, _, item, start, end), key in zip(table.tolist(), keys or [None] * len(table)):
-        at = int(np.searchsorted(places[order], shard << 40 | start)) if shard >= 0 else len(places)
-        row = int(order[at]) if at < len(places) and places[order[at]] == shard << 40 | start else None
-        if shard >= 0 and (row is None or end - start != field.nbytes):
-            problems.append(f"{linked.dataset}: item {item}'s record (shard {shard}, bytes {start}-{end}) is no row's "
-                            f"{linked.field}")
-        elif key is not None:
-            want = _number(key, pattern, linked.key_base, linked.dataset)
-            found = int(np.searchsorted(rows.ids, want))
-            has = found < len(rows.ids) and int(rows.ids[found]) == want
-            if (row if shard >= 0 else None) != (found if has else None):
-                problems.append(f"sample {key!r} (item {item}): the link says " + (
-                    "no row" if shard < 0 else f"row of {linked.id_field} {int(rows.ids[row])}") + ", the embeddings "
-                    "have " + (f"the row of {linked.id_field} {want}" if has else "none"))
+    checked = ~wrong & np.array([key is not None for key in keys], dtype=bool)
+    wants = np.array([_number(key, pattern, linked.key_base, linked.dataset) if ok else 0
+                      for key, ok in zip(keys, checked.tolist())], dtype=np.uint64)
+    has = _find(rows.ids, wants)  # the row each key names, or -1
+    for i in np.flatnonzero(checked & (said != has)).tolist():
+        problems.append(f"sample {keys[i]!r} (item {int(table[i, 2])}): the link says " + (
+            "no row" if said[i] < 0 else f"row of {linked.id_field} {int(rows.ids[said[i]])}") + ", the embeddings "
+            "have " + (f"the row of {linked.id_field} {int(wants[i])}" if has[i] >= 0 else "none"))
     return problems
