@@ -101,7 +101,7 @@ class _Groups:
                     first = shard
             self.bounds.append((number, first, len(source.sizes)))
         self.sources, self.paths = sources, [f"{folder}/g{i}.bin" for i in range(len(self.bounds))]
-        self.files = [open(path, "wb") for path in self.paths]  # noqa: SIM115 (closed by `tables`)
+        self.files = [open(path, "wb") for path in self.paths]  # noqa: SIM115 (closed by `close`)
         self.starts = [np.array([sources[n].first_item[a] for n, a, _ in self.bounds if n == number], dtype=np.int64)
                        for number in range(len(sources))]
         self.first = [sum(1 for n, _, _ in self.bounds if n < number) for number in range(len(sources))]
@@ -121,11 +121,14 @@ class _Groups:
         for g in np.unique(group).tolist():
             self.files[g].write(rows[group == g].tobytes())
 
+    def close(self) -> None:
+        for file in self.files:
+            file.close()
+
     def tables(self, folder: str, url: str) -> Any:
         """Per group, in order: (source, first shard, end shard, the (chunk, start, end) of each of its
         items in item order), each item's record found once."""
-        for file in self.files:
-            file.close()
+        self.close()
         for path, (number, first, end) in zip(self.paths, self.bounds):
             start, stop = (int(self.sources[number].first_item[i]) for i in (first, end))
             rows = np.fromfile(path, dtype="<i8").reshape(-1, 4)
@@ -160,15 +163,18 @@ def finish_epoch(out: str, folder: str, of: dict[str, Any], sources: Sequence[An
     indexes: list[list[FileRef]] = [[] for _ in sources]
     with tempfile.TemporaryDirectory(prefix="shardstream-finish-") as spill:
         groups = _Groups(sources, spill)
-        for number, commit in enumerate(commits):  # (each commit's records read again, one at a time)
-            groups.add(number, _commit(fs, base, out, folder, commit.rank, commit.number, retry).records, out)
-        for s, first, end, table in groups.tables(folder, out):
-            items = sources[s].first_item
-            for shard in range(first, end):
-                data = pack_item_index(table[items[shard] - items[first] : items[shard + 1] - items[first]])
-                name = item_index_name(folder, s, shard)
-                write_bytes(fs, join(base, name), data, retry)
-                indexes[s].append(FileRef(name, len(data), hashlib.sha256(data).hexdigest()))
+        try:
+            for number, commit in enumerate(commits):  # (each commit's records read again, one at a time)
+                groups.add(number, _commit(fs, base, out, folder, commit.rank, commit.number, retry).records, out)
+            for s, first, end, table in groups.tables(folder, out):
+                items = sources[s].first_item
+                for shard in range(first, end):
+                    data = pack_item_index(table[items[shard] - items[first] : items[shard + 1] - items[first]])
+                    name = item_index_name(folder, s, shard)
+                    write_bytes(fs, join(base, name), data, retry)
+                    indexes[s].append(FileRef(name, len(data), hashlib.sha256(data).hexdigest()))
+        finally:
+            groups.close()  # (also when a commit is refused: no descriptor left open)
     manifest = read_outputs(fs, base, out, retry) or OutputsManifest(of, commits[0].fields, commits[0].keyed, {})
     if (manifest.fields, manifest.keyed) != (commits[0].fields, commits[0].keyed):
         raise DatasetError(f"{folder}: fields {shown(commits[0].fields)}, the sidecar's other epochs have "
